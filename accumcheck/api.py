@@ -1,0 +1,67 @@
+"""``accumcheck.compare``: one call runs a case in a framework and returns the Report."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from pathlib import Path
+
+from .backends import get_backend
+from .backends.base import Progress, RunResult
+from .bounds import ModeBound
+from .cases import Case, resolve_case
+from .compare import compare_tensor
+from .errors import AccumcheckError
+from .faults import Fault, parse_fault, resolve_fault
+from .report import Report
+
+
+def compare(
+    case: str | Path | Case = "embed-attention",
+    framework: str = "torch",
+    accum_steps: int | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+    oracle: bool = False,
+    inject: str | Fault | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
+    (default: the case's own) in native and manual mode, and judge every parameter tensor.
+
+    Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
+    a malformed case file, or a non-positive ``accum_steps``."""
+    started = time.perf_counter()
+    the_case = resolve_case(case)
+    if seed is not None:
+        the_case = the_case.with_seed(seed)
+    steps = the_case.accum_steps if accum_steps is None else accum_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise AccumcheckError(f"--accum-steps: {steps!r} is not a positive integer")
+    fault = None
+    if inject is not None:
+        fault = parse_fault(inject) if isinstance(inject, str) else inject
+        fault = resolve_fault(fault, [(p.name, p.kind) for p in the_case.parameters()], steps)
+    backend = get_backend(framework)
+    run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress)
+    return build_report(the_case, run, steps, fault, oracle, time.perf_counter() - started)
+
+
+def build_report(case: Case, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
+                 seconds: float) -> Report:
+    """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report."""
+    from . import __version__
+
+    native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_fused_roundings)
+    manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
+    tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum,
+                              native_bound, manual_bound, p.oracle) for p in run.params]
+    return Report(
+        case=case.name, case_source=case.source, case_fingerprint=case.fingerprint(), case_toml=case.text,
+        framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
+        param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
+        oracle=oracle, inject=None if fault is None else str(fault),
+        bound={"native": vars(native_bound), "manual": vars(manual_bound),
+               "native_fused_roundings": run.native_fused_roundings},
+        settings=run.settings, losses=run.losses, seconds=round(seconds, 3),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors)

@@ -1,0 +1,243 @@
+"""PyTorch backend: one backward per micro-step feeds native, manual, E and S together.
+
+Native accumulation is PyTorch's own: ``.grad`` accumulating across ``backward()`` calls. A hook
+on each parameter sees the micro-gradient before it is added (leaf-tensor hooks run before
+AccumulateGrad) and adds it into the manual buffer and the float64 sums E and S, so the two modes
+see the very same micro-gradients and nothing is stored per micro-step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..cases import LAYERNORM_EPS, Case, Layer
+from ..errors import AccumcheckError
+from ..faults import Fault, FaultInjector
+from .base import Backend, ParamAccumulation, Progress, RunResult
+
+
+def resolve_device(device: str) -> Any:
+    """A torch.device for "cpu", "gpu", "cuda" or "cuda:N"; AccumcheckError if unavailable."""
+    import torch
+
+    wanted = "cuda" if device == "gpu" else device
+    if wanted == "cpu":
+        return torch.device("cpu")
+    if not (wanted == "cuda" or wanted.startswith("cuda:")):
+        raise AccumcheckError(f"--device: unknown device {device!r}; use cpu, gpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise AccumcheckError(f"--device {device}: CUDA is not available to torch {torch.__version__} "
+                              "(torch.cuda.is_available() is False); use --device cpu or a CUDA build of torch")
+    dev = torch.device(wanted)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AccumcheckError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return dev
+
+
+@contextlib.contextmanager
+def deterministic(device: Any) -> Iterator[dict[str, Any]]:
+    """Deterministic algorithms on and TF32 off for the duration; the caller's settings come back."""
+    import torch
+
+    if device.type == "cuda":
+        # cuBLAS needs this before its first call to be deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield {"deterministic_algorithms": True, "tf32": False, "threads": torch.get_num_threads()}
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
+
+
+def build_model(case: Case, weights: dict[str, np.ndarray], dtype: Any, device: Any) -> Any:
+    """The case as an nn.Module holding ``weights``; ``canonical`` maps names to parameters."""
+    import torch
+
+    class CaseModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.canonical: dict[str, torch.nn.Parameter] = {}
+            for i, (name, value) in enumerate(weights.items()):
+                param = torch.nn.Parameter(torch.tensor(value, dtype=dtype, device=device))
+                self.register_parameter(f"p{i}", param)
+                self.canonical[name] = param
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return _forward(case.layers, inputs, self.canonical, "")
+
+    return CaseModel()
+
+
+def _forward(layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: str) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    for layer in layers:
+        name, o = prefix + layer.name, layer.options
+        if layer.type == "embedding":
+            x = F.embedding(x, params[f"{name}.weight"])
+        elif layer.type == "dense":
+            x = F.linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+        elif layer.type == "shared_dense":
+            w, b = params[f"{name}.weight"], params.get(f"{name}.bias")
+            x = sum(F.linear(x * scale, w, b) for scale in o["scales"])
+        elif layer.type == "activation":
+            x = {"relu": torch.relu, "tanh": torch.tanh, "gelu": F.gelu}[o["fn"]](x)
+        elif layer.type == "layernorm":
+            x = F.layer_norm(x, (x.shape[-1],), params[f"{name}.gamma"], params[f"{name}.beta"], LAYERNORM_EPS)
+        elif layer.type == "attention":
+            x = _attention(x, params, name, o["heads"], o["out_proj"])
+        elif layer.type == "residual":
+            x = x + _forward(layer.body, x, params, prefix)
+        elif layer.type == "block":
+            x = _forward(layer.body, x, params, f"{name}.")
+        elif layer.type == "tied_output":
+            x = F.linear(x, params[f"{o['tie']}.weight"], params.get(f"{name}.bias"))
+    return x
+
+
+def _attention(x: Any, params: dict[str, Any], name: str, heads: int, out_proj: bool) -> Any:
+    import torch.nn.functional as F
+
+    batch, seq, width = x.shape
+    head = width // heads
+
+    def project(p: str) -> Any:
+        y = F.linear(x, params[f"{name}.{p}.weight"], params.get(f"{name}.{p}.bias"))
+        return y.view(batch, seq, heads, head).transpose(1, 2)
+
+    q, k, v = project("q"), project("k"), project("v")
+    weights = (q @ k.transpose(-1, -2) / math.sqrt(head)).softmax(dim=-1)
+    y = (weights @ v).transpose(1, 2).reshape(batch, seq, width)
+    if out_proj:
+        y = F.linear(y, params[f"{name}.o.weight"], params.get(f"{name}.o.bias"))
+    return y
+
+
+def case_loss(case: Case, logits: Any, labels: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           reduction=case.loss_reduction)
+
+
+class TorchBackend(Backend):
+    framework_name = "torch"
+
+    def versions(self) -> dict[str, str]:
+        import torch
+
+        found = {"torch": torch.__version__}
+        if torch.version.cuda:
+            found["cuda"] = torch.version.cuda
+        return found
+
+    def run(self, case: Case, accum_steps: int, device: str, fault: Fault | None = None,
+            oracle: bool = False, progress: Progress | None = None) -> RunResult:
+        import torch
+
+        dev = resolve_device(device)
+        weights = case.weights()
+        kinds = {p.name: p.kind for p in case.parameters()}
+        with deterministic(dev) as settings, torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            model = build_model(case, weights, torch.float32, dev)
+            sums = _accumulate(case, model, accum_steps, dev, fault, progress, "native + manual")
+            exact_oracle = None
+            if oracle:
+                model64 = build_model(case, weights, torch.float64, dev)
+                exact_oracle = _accumulate(case, model64, accum_steps, dev, None, progress, "float64 oracle")
+            params = []
+            for name, param in model.canonical.items():
+                manual, exact, absum = sums["buffers"][name]
+                native = param.grad if param.grad is not None else torch.zeros_like(param)
+                params.append(ParamAccumulation(
+                    name=name, kind=kinds[name], native=_numpy(native), manual=_numpy(manual),
+                    exact=_numpy(exact), absum=_numpy(absum),
+                    oracle=None if exact_oracle is None else _numpy(exact_oracle["native"][name])))
+        losses = {"mean_loss": sums["loss"]}
+        if exact_oracle is not None:
+            losses["oracle_mean_loss"] = exact_oracle["loss"]
+        if dev.type == "cuda":
+            name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+        else:
+            name = "cpu"
+        settings["requested_device"] = device
+        return RunResult(params=params, framework="torch", versions=self.versions(), device=name,
+                         param_dtype="float32", accum_dtype="float32", native_fused_roundings=0,
+                         losses=losses, settings=settings)
+
+
+def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None,
+                progress: Progress | None, phase: str) -> dict[str, Any]:
+    """Stream the micro-steps. Returns the manual/E/S buffers, the native grads and the mean loss."""
+    import torch
+
+    buffers: dict[str, tuple[Any, Any, Any]] = {}
+    handles = []
+    state = {"step": 0}
+    injector = None
+    if fault is not None:
+        injector = FaultInjector(fault, accum_steps, lambda t: t.to(torch.bfloat16).to(t.dtype))
+
+    for name, param in model.canonical.items():
+        param.grad = None
+        manual = torch.zeros_like(param)
+        exact = torch.zeros_like(param, dtype=torch.float64)
+        absum = torch.zeros_like(param, dtype=torch.float64)
+        buffers[name] = (manual, exact, absum)
+        targeted = injector is not None and fault is not None and fault.param == name
+
+        def record(grad: Any, name: str = name, param: Any = param, targeted: bool = targeted) -> Any:
+            manual, exact, absum = buffers[name]
+            manual.add_(grad)
+            exact.add_(grad)
+            absum.add_(grad.abs())
+            if targeted:
+                return injector.contribution(state["step"], grad, param.grad)
+            return None
+
+        handles.append(param.register_hook(record))
+        if targeted and fault.kind == "bf16":
+            def round_total(p: Any) -> None:
+                replaced = injector.after_add(state["step"], p.grad)
+                if replaced is not None:
+                    p.grad.copy_(replaced)
+
+            handles.append(param.register_post_accumulate_grad_hook(round_total))
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    try:
+        for step in range(accum_steps):
+            state["step"] = step
+            batch = case.batch(step)
+            inputs = torch.from_numpy(batch.inputs).to(dev)
+            if inputs.is_floating_point():
+                inputs = inputs.to(next(model.parameters()).dtype)
+            labels = torch.from_numpy(batch.labels).to(dev)
+            loss = case_loss(case, model(inputs), labels)
+            loss.backward()
+            loss_sum += loss.detach()
+            if progress is not None:
+                progress(phase, step + 1, accum_steps)
+    finally:
+        for handle in handles:
+            handle.remove()
+    native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in model.canonical.items()}
+    return {"buffers": buffers, "native": native, "loss": float(loss_sum) / accum_steps}
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
+
+
+BACKEND_CLASS = TorchBackend

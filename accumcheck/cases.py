@@ -1,0 +1,430 @@
+"""Framework-neutral cases: load and validate case TOML, materialise weights and batches.
+
+A case names a model built from a small layer vocabulary, its input, its loss, its initialisation,
+a seed and a default number of accumulation steps. Weights and batches come from numpy and the
+seed alone, so every backend gets bit-identical numbers and gradients can be compared across
+frameworks. Batches are generated on demand, one micro-step at a time, so memory never grows with
+the number of accumulation steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import tomllib
+import zlib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import AccumcheckError
+
+LAYER_TYPES = (
+    "block",
+    "embedding",
+    "dense",
+    "activation",
+    "layernorm",
+    "attention",
+    "residual",
+    "shared_dense",
+    "tied_output",
+)
+ACTIVATIONS = ("relu", "gelu", "tanh")
+PARAM_KINDS = ("embedding", "weight", "bias", "norm")
+LAYERNORM_EPS = 1e-5
+
+
+class CaseError(AccumcheckError):
+    """A case file or case definition is malformed; the message names the file, key and fix."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a case: ``type``, ``name`` and its options.
+
+    ``block`` and ``residual`` layers hold a ``body``: a block is a named group whose name prefixes
+    its parameters (``block0.attn.q.weight``); a residual computes ``x + body(x)`` and adds no
+    prefix, so a block can hold two residuals whose layers share the block's namespace.
+    """
+
+    type: str
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    body: tuple["Layer", ...] = ()
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter tensor: canonical name, shape, kind and how it is initialised."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # one of PARAM_KINDS
+    init: str  # "xavier", "zeros" or "ones"
+    fan_in: int = 0
+    fan_out: int = 0
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    kind: str  # "tokens" or "features"
+    batch_size: int
+    vocab: int = 0
+    seq_len: int = 0
+    features: int = 0
+    scale: float = 1.0
+    spread: float = 0.0  # >0: every sample is one shared base vector plus spread * noise
+    labels: str = "random"  # "random" or "alternate"
+    distinct_batches: int = 0  # 0: a fresh batch each micro-step; K: cycle K batches
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch: ``inputs`` (int64 token ids [B, T] or float32 features [B, F]) and
+    int64 ``labels`` ([B, T] or [B])."""
+
+    inputs: np.ndarray
+    labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class Case:
+    """A validated case. ``source`` is where it came from; ``text`` is its TOML, kept so a report
+    can reproduce the run exactly."""
+
+    name: str
+    description: str
+    seed: int
+    accum_steps: int
+    input: InputSpec
+    loss_reduction: str
+    init_magnitude: float
+    init_scale: float
+    layers: tuple[Layer, ...]
+    source: str = "<memory>"
+    text: str = ""
+
+    def with_seed(self, seed: int) -> "Case":
+        return dataclasses.replace(self, seed=seed)
+
+    @property
+    def num_classes(self) -> int:
+        return _walk(self.layers, self.input, [], "")[0]
+
+    def parameters(self) -> list[ParamSpec]:
+        """Every parameter tensor in a fixed order (the order of the layers)."""
+        specs: list[ParamSpec] = []
+        _walk(self.layers, self.input, specs, "")
+        return specs
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The initial float32 weights, keyed by canonical name, generated from the seed."""
+        out: dict[str, np.ndarray] = {}
+        for spec in self.parameters():
+            if spec.init == "zeros":
+                out[spec.name] = np.zeros(spec.shape, np.float32)
+            elif spec.init == "ones":
+                out[spec.name] = np.ones(spec.shape, np.float32)
+            else:
+                rng = np.random.default_rng([self.seed, zlib.crc32(spec.name.encode())])
+                limit = np.sqrt(self.init_magnitude / ((spec.fan_in + spec.fan_out) / 2.0))
+                w = rng.uniform(-limit, limit, spec.shape) * self.init_scale
+                out[spec.name] = w.astype(np.float32)
+        return out
+
+    def batch(self, step: int) -> Batch:
+        """The micro-batch fed at micro-step ``step`` (0-based)."""
+        spec = self.input
+        index = step % spec.distinct_batches if spec.distinct_batches else step
+        rng = np.random.default_rng([self.seed, 0xBA7C, index])
+        b = spec.batch_size
+        if spec.kind == "tokens":
+            inputs = rng.integers(0, spec.vocab, (b, spec.seq_len), dtype=np.int64)
+            label_shape: tuple[int, ...] = (b, spec.seq_len)
+        else:
+            noise = rng.standard_normal((b, spec.features))
+            if spec.spread:
+                base = np.random.default_rng([self.seed, 0xBA5E]).standard_normal(spec.features)
+                noise = base + spec.spread * noise
+            inputs = (noise * spec.scale).astype(np.float32)
+            label_shape = (b,)
+        classes = self.num_classes
+        if spec.labels == "alternate":
+            first = index * int(np.prod(label_shape))
+            labels = (np.arange(first, first + int(np.prod(label_shape))) % classes).reshape(label_shape)
+        else:
+            labels = rng.integers(0, classes, label_shape)
+        return Batch(inputs=inputs, labels=labels.astype(np.int64))
+
+    def fingerprint(self) -> str:
+        """A short hash of the case definition, to tell two runs of different cases apart."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- shape walking
+
+
+def _walk(layers: tuple[Layer, ...], inp: InputSpec, specs: list[ParamSpec], prefix: str,
+          dim: int | None = None, embeddings: dict[str, tuple[int, int]] | None = None) -> tuple[int, dict]:
+    """Walk the layers, appending ParamSpecs; return the output feature size."""
+    if embeddings is None:
+        embeddings = {}
+    if dim is None:
+        dim = 0 if inp.kind == "tokens" else inp.features
+    for layer in layers:
+        name = prefix + layer.name
+        o = layer.options
+        if layer.type == "embedding":
+            specs.append(ParamSpec(f"{name}.weight", (inp.vocab, o["dim"]), "embedding", "xavier",
+                                   fan_in=inp.vocab, fan_out=o["dim"]))
+            embeddings[layer.name] = (inp.vocab, o["dim"])
+            dim = o["dim"]
+        elif layer.type in ("dense", "shared_dense"):
+            specs.append(ParamSpec(f"{name}.weight", (o["units"], dim), "weight", "xavier",
+                                   fan_in=dim, fan_out=o["units"]))
+            if o["bias"]:
+                specs.append(ParamSpec(f"{name}.bias", (o["units"],), "bias", "zeros"))
+            dim = o["units"]
+        elif layer.type == "layernorm":
+            specs.append(ParamSpec(f"{name}.gamma", (dim,), "norm", "ones"))
+            specs.append(ParamSpec(f"{name}.beta", (dim,), "norm", "zeros"))
+        elif layer.type == "attention":
+            projections = ("q", "k", "v", "o") if o["out_proj"] else ("q", "k", "v")
+            for proj in projections:
+                specs.append(ParamSpec(f"{name}.{proj}.weight", (dim, dim), "weight", "xavier",
+                                       fan_in=dim, fan_out=dim))
+                if o["bias"]:
+                    specs.append(ParamSpec(f"{name}.{proj}.bias", (dim,), "bias", "zeros"))
+        elif layer.type == "residual":
+            _walk(layer.body, inp, specs, prefix, dim, embeddings)
+        elif layer.type == "block":
+            dim, _ = _walk(layer.body, inp, specs, name + ".", dim, embeddings)
+        elif layer.type == "tied_output":
+            vocab, _ = embeddings[o["tie"]]
+            if o["bias"]:
+                specs.append(ParamSpec(f"{name}.bias", (vocab,), "bias", "zeros"))
+            dim = vocab
+    return dim, embeddings
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _Reader:
+    """Typed access to one TOML table, with errors that name file, key, value and fix."""
+
+    def __init__(self, table: dict, where: str, source: str):
+        self.table, self.where, self.source = table, where, source
+        self.used: set[str] = set()
+
+    def fail(self, key: str, problem: str) -> CaseError:
+        return CaseError(f"{self.source}: {self.where}{key}: {problem}")
+
+    def get(self, key: str, kind: type, default: Any = ..., choices: tuple = ()) -> Any:
+        self.used.add(key)
+        if key not in self.table:
+            if default is ...:
+                return self._missing(key, kind, choices)
+            return default
+        value = self.table[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        if choices and value not in choices:
+            raise self.fail(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+
+    def positive(self, key: str, default: Any = ...) -> int:
+        value = self.get(key, int, default)
+        if value <= 0:
+            raise self.fail(key, f"must be a positive integer, got {value!r}")
+        return value
+
+    def _missing(self, key: str, kind: type, choices: tuple) -> Any:
+        hint = f" (one of {', '.join(map(repr, choices))})" if choices else f" ({kind.__name__})"
+        raise self.fail(key, f"missing required key; add {key} = ...{hint}")
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.table) - self.used)
+        if unknown:
+            raise self.fail(unknown[0], f"unknown key (known here: {', '.join(sorted(self.used))})")
+
+
+def _parse_layers(raw: Any, where: str, source: str, names: set[str]) -> tuple[Layer, ...]:
+    if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
+        raise CaseError(f"{source}: {where}: expected a non-empty array of tables ([[{where}]])")
+    layers = []
+    for i, table in enumerate(raw):
+        r = _Reader(table, f"{where}[{i}].", source)
+        kind = r.get("type", str, choices=LAYER_TYPES)
+        name = r.get("name", str)
+        if not name or "." in name:
+            raise r.fail("name", f"{name!r} must be non-empty and contain no '.'")
+        if name in names:
+            raise r.fail("name", f"{name!r} is used twice; give every layer a distinct name")
+        names.add(name)
+        options: dict[str, Any] = {}
+        body: tuple[Layer, ...] = ()
+        if kind == "embedding":
+            options["dim"] = r.positive("dim")
+        elif kind in ("dense", "shared_dense"):
+            options["units"] = r.positive("units")
+            options["bias"] = r.get("bias", bool, True)
+            if kind == "shared_dense":
+                scales = r.get("scales", list)
+                if not scales or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales):
+                    raise r.fail("scales", f"expected a non-empty list of numbers, got {scales!r}")
+                options["scales"] = tuple(float(s) for s in scales)
+        elif kind == "activation":
+            options["fn"] = r.get("fn", str, choices=ACTIVATIONS)
+        elif kind == "attention":
+            options["heads"] = r.positive("heads", 1)
+            options["bias"] = r.get("bias", bool, False)
+            options["out_proj"] = r.get("out_proj", bool, True)
+        elif kind in ("residual", "block"):
+            r.used.add("body")
+            # A residual shares its parent's namespace; a block opens a new one.
+            scope = names if kind == "residual" else set()
+            body = _parse_layers(table.get("body"), f"{where}[{i}].body", source, scope)
+        elif kind == "tied_output":
+            options["tie"] = r.get("tie", str)
+            options["bias"] = r.get("bias", bool, False)
+        r.finish()
+        layers.append(Layer(kind, name, options, body))
+    return tuple(layers)
+
+
+def _check_shapes(layers: tuple[Layer, ...], inp: InputSpec, source: str, where: str = "layers",
+                  dim: int | None = None, embeddings: dict | None = None) -> int:
+    """Check that the layers fit together; return the output size."""
+    embeddings = {} if embeddings is None else embeddings
+    dim = (None if inp.kind == "tokens" else inp.features) if dim is None else dim
+    for i, layer in enumerate(layers):
+        at = f"{source}: {where}[{i}] ({layer.type} {layer.name!r})"
+        if layer.type == "embedding":
+            if inp.kind != "tokens" or dim is not None or where != "layers":
+                raise CaseError(f"{at}: an embedding must be the first top-level layer and needs "
+                                "[input] kind = 'tokens'")
+            embeddings[layer.name] = (inp.vocab, layer.options["dim"])
+            dim = layer.options["dim"]
+            continue
+        if dim is None:
+            raise CaseError(f"{at}: token inputs must go through an embedding first")
+        if layer.type in ("dense", "shared_dense"):
+            dim = layer.options["units"]
+        elif layer.type == "attention":
+            if inp.kind != "tokens":
+                raise CaseError(f"{at}: attention needs sequences; set [input] kind = 'tokens'")
+            if dim % layer.options["heads"]:
+                raise CaseError(f"{at}: heads = {layer.options['heads']} must divide the width {dim}")
+        elif layer.type == "residual":
+            out = _check_shapes(layer.body, inp, source, f"{where}[{i}].body", dim, embeddings)
+            if out != dim:
+                raise CaseError(f"{at}: its body maps width {dim} to {out}; a residual needs equal widths")
+        elif layer.type == "block":
+            dim = _check_shapes(layer.body, inp, source, f"{where}[{i}].body", dim, embeddings)
+        elif layer.type == "tied_output":
+            tie = layer.options["tie"]
+            if tie not in embeddings:
+                raise CaseError(f"{at}: tie = {tie!r} names no earlier embedding layer")
+            if embeddings[tie][1] != dim:
+                raise CaseError(f"{at}: width {dim} differs from embedding {tie!r} dim {embeddings[tie][1]}")
+            dim = embeddings[tie][0]
+    return dim
+
+
+def parse_case(text: str, source: str = "<memory>") -> Case:
+    """Parse and validate case TOML text. Raises CaseError naming ``source``, the key and the fix."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise CaseError(f"{source}: not valid TOML: {exc}") from None
+    top = _Reader(doc, "", source)
+    name = top.get("name", str)
+    description = top.get("description", str, "")
+    seed = top.get("seed", int, 0)
+    accum_steps = top.positive("accum_steps", 16)
+
+    ri = _Reader(top.get("input", dict), "[input].", source)
+    kind = ri.get("kind", str, choices=("tokens", "features"))
+    if kind == "tokens":
+        inp = InputSpec(kind, ri.positive("batch_size"), vocab=ri.positive("vocab"),
+                        seq_len=ri.positive("seq_len"))
+    else:
+        inp = InputSpec(kind, ri.positive("batch_size"), features=ri.positive("features"),
+                        scale=ri.get("scale", float, 1.0), spread=ri.get("spread", float, 0.0))
+        if inp.spread < 0:
+            raise ri.fail("spread", f"must be >= 0 (0: independent samples), got {inp.spread}")
+    labels = ri.get("labels", str, "random", choices=("random", "alternate"))
+    distinct = ri.get("distinct_batches", int, 0)
+    if distinct < 0:
+        raise ri.fail("distinct_batches", f"must be >= 0 (0 means a fresh batch every step), got {distinct}")
+    ri.finish()
+    inp = dataclasses.replace(inp, labels=labels, distinct_batches=distinct)
+
+    rl = _Reader(top.get("loss", dict, {}), "[loss].", source)
+    rl.get("kind", str, "softmax_cross_entropy", choices=("softmax_cross_entropy",))
+    reduction = rl.get("reduction", str, "mean", choices=("mean", "sum"))
+    rl.finish()
+
+    rn = _Reader(top.get("init", dict, {}), "[init].", source)
+    rn.get("scheme", str, "xavier", choices=("xavier",))
+    magnitude = rn.get("magnitude", float, 3.0)
+    scale = rn.get("scale", float, 1.0)
+    if magnitude <= 0 or scale == 0:
+        raise rn.fail("magnitude" if magnitude <= 0 else "scale", "must be non-zero and magnitude positive")
+    rn.finish()
+
+    top.used.add("layers")
+    layers = _parse_layers(doc.get("layers"), "layers", source, set())
+    top.finish()
+    classes = _check_shapes(layers, inp, source)
+    if classes < 2:
+        raise CaseError(f"{source}: layers: the last layer has width {classes}; "
+                        "softmax cross-entropy needs at least 2 classes")
+    return Case(name, description, seed, accum_steps, inp, reduction, magnitude, scale, layers,
+                source=source, text=text)
+
+
+def load_case(path: str | Path) -> Case:
+    """Load a case TOML file. Raises CaseError when it is missing or malformed."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CaseError(f"{path}: cannot read case file: {exc.strerror}") from None
+    return parse_case(text, str(path))
+
+
+def builtin_case_names() -> list[str]:
+    """Names of the built-in cases, sorted."""
+    folder = resources.files("accumcheck.builtin_cases")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def builtin_case(name: str) -> Case:
+    folder = resources.files("accumcheck.builtin_cases")
+    entry = folder / f"{name}.toml"
+    if not entry.is_file():
+        raise CaseError(f"unknown case {name!r}; built-in cases: {', '.join(builtin_case_names())} "
+                        "(or pass the path of a case .toml file)")
+    return parse_case(entry.read_text(), f"case {name!r}")
+
+
+def resolve_case(case: "str | Path | Case") -> Case:
+    """A Case from a Case, a built-in name, or a path to a TOML file."""
+    if isinstance(case, Case):
+        return case
+    text = str(case)
+    if text.endswith(".toml") or "/" in text or Path(text).is_file():
+        return load_case(text)
+    return builtin_case(text)

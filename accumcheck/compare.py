@@ -1,0 +1,248 @@
+"""Per-tensor statistics and verdicts: native (A) against manual (B), both against E and S.
+
+One fused pass over each tensor computes every statistic (compiled with numba, parallel over
+chunks), so judging a 20M-element tensor costs about as much as reading it once. Values are
+promoted to float64 element by element; nothing here imports a deep-learning framework.
+
+Verdicts:
+  identical   native and manual agree in every element
+  round-off   they differ, but both are within the bound of E (``accumcheck.bounds``)
+  diverged    some element of some mode is further from E than round-off can explain
+  non-finite  an inf or nan in either mode (or in E)
+A tensor whose sum cancels heavily (condition number S/|E| >= ILL_CONDITIONED) is also marked
+ill-conditioned: large relative differences there are expected and are not a bug.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .bounds import CLASSIC_TOLERANCES, ModeBound
+from .report import TensorResult
+
+# A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative
+# error may then be a hundred times the relative error of a sum without cancellation.
+ILL_CONDITIONED = 100.0
+
+_CHUNK = 1 << 16
+_MAX_CHUNKS = 4096
+
+# Columns of the kernel's per-chunk output.
+(_MAX_E, _NONFIN_A, _NONFIN_B, _NONFIN_E, _NDIFF, _MAX_DIFF, _MAX_REL, _NCLASSIC, _MAX_ULPS,
+ _RATIO_A, _RATIO_B, _OVER_A, _OVER_B, _SUM_S, _SUM_ABS_E, _SQ_ERR_A, _SQ_ERR_B, _MAX_ERR_A,
+ _MAX_ERR_B, _SQ_E, _NSTATS) = range(21)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks):
+    n = a.size
+    step = (n + chunks - 1) // chunks
+    out = np.zeros((chunks, _NSTATS))
+    where = np.full((chunks, 3), -1, np.int64)  # argmax of max_diff, ratio_a, ratio_b
+    for c in numba.prange(chunks):
+        lo = c * step
+        hi = min(n, lo + step)
+        max_e = 0.0
+        nonfin_a = 0.0
+        nonfin_b = 0.0
+        nonfin_e = 0.0
+        ndiff = 0.0
+        max_diff = 0.0
+        max_rel = 0.0
+        nclassic = 0.0
+        max_ulps = 0.0
+        ratio_a = 0.0
+        ratio_b = 0.0
+        over_a = 0.0
+        over_b = 0.0
+        sum_s = 0.0
+        sum_abs_e = 0.0
+        sq_err_a = 0.0
+        sq_err_b = 0.0
+        max_err_a = 0.0
+        max_err_b = 0.0
+        sq_e = 0.0
+        i_diff = -1
+        i_a = -1
+        i_b = -1
+        for i in range(lo, hi):
+            x = np.float64(a[i])
+            y = np.float64(b[i])
+            ex = e[i]
+            if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(ex)):
+                nonfin_a += not np.isfinite(x)
+                nonfin_b += not np.isfinite(y)
+                nonfin_e += not np.isfinite(ex)
+                ndiff += not (x == y or (np.isnan(x) and np.isnan(y)))
+                continue
+            sx = s[i]
+            abs_e = abs(ex)
+            max_e = abs_e if abs_e > max_e else max_e
+            sum_s += sx
+            sum_abs_e += abs_e
+            sq_e += ex * ex
+            # Each mode against E, and against its bound.
+            da = abs(x - ex)
+            db = abs(y - ex)
+            sq_err_a += da * da
+            sq_err_b += db * db
+            max_err_a = da if da > max_err_a else max_err_a
+            max_err_b = db if db > max_err_b else max_err_b
+            bound_a = rel_a * sx + abs_a
+            bound_b = rel_b * sx + abs_b
+            over_a += da > bound_a
+            over_b += db > bound_b
+            ra = da / bound_a
+            rb = db / bound_b
+            if ra > ratio_a:
+                ratio_a = ra
+                i_a = i
+            if rb > ratio_b:
+                ratio_b = rb
+                i_b = i
+            # Native against manual, as torch.testing would see it.
+            d = abs(x - y)
+            ndiff += x != y
+            if d > max_diff:
+                max_diff = d
+                i_diff = i
+            ay = abs(y)
+            rel = d / ay if ay > 0.0 else (np.inf if d > 0.0 else 0.0)
+            max_rel = rel if rel > max_rel else max_rel
+            nclassic += d > atol + rtol * ay
+            # Distance in ulps: map the bit patterns onto a monotonic integer line.
+            oa = np.int64(a_bits[i])
+            ob = np.int64(b_bits[i])
+            if oa < 0:
+                oa = sign_flip - oa
+            if ob < 0:
+                ob = sign_flip - ob
+            ulps = abs(np.float64(oa) - np.float64(ob))
+            max_ulps = ulps if ulps > max_ulps else max_ulps
+        row = out[c]
+        row[_MAX_E] = max_e
+        row[_NONFIN_A] = nonfin_a
+        row[_NONFIN_B] = nonfin_b
+        row[_NONFIN_E] = nonfin_e
+        row[_NDIFF] = ndiff
+        row[_MAX_DIFF] = max_diff
+        row[_MAX_REL] = max_rel
+        row[_NCLASSIC] = nclassic
+        row[_MAX_ULPS] = max_ulps
+        row[_RATIO_A] = ratio_a
+        row[_RATIO_B] = ratio_b
+        row[_OVER_A] = over_a
+        row[_OVER_B] = over_b
+        row[_SUM_S] = sum_s
+        row[_SUM_ABS_E] = sum_abs_e
+        row[_SQ_ERR_A] = sq_err_a
+        row[_SQ_ERR_B] = sq_err_b
+        row[_MAX_ERR_A] = max_err_a
+        row[_MAX_ERR_B] = max_err_b
+        row[_SQ_E] = sq_e
+        where[c, 0] = i_diff
+        where[c, 1] = i_a
+        where[c, 2] = i_b
+    return out, where
+
+
+_BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64, np.dtype(np.float16): np.int16}
+
+
+def _as_float(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    if array.dtype not in _BITS:
+        array = array.astype(np.float32)  # bfloat16 and friends are exact in float32
+    return array.reshape(-1)
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> list[int]:
+    if flat < 0:
+        return []
+    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
+
+
+def compare_tensor(
+    name: str,
+    kind: str,
+    native: np.ndarray,
+    manual: np.ndarray,
+    exact: np.ndarray,
+    absum: np.ndarray,
+    native_bound: ModeBound,
+    manual_bound: ModeBound,
+    oracle: np.ndarray | None = None,
+) -> TensorResult:
+    """Judge one parameter tensor. ``exact`` (E) and ``absum`` (S) are float64 sums of the
+    micro-gradients; the bounds say how far from E each mode may be by round-off alone.
+    Returns the TensorResult with every statistic and the verdict."""
+    shape = tuple(np.shape(exact))
+    a, b = _as_float(native), _as_float(manual)
+    if a.dtype != b.dtype:
+        wider = np.promote_types(a.dtype, b.dtype)
+        a, b = a.astype(wider), b.astype(wider)
+    e = np.ascontiguousarray(exact, np.float64).reshape(-1)
+    s = np.ascontiguousarray(absum, np.float64).reshape(-1)
+    if not a.size == b.size == e.size == s.size:
+        raise ValueError(f"{name}: native, manual, exact and absum differ in size "
+                         f"({a.size}, {b.size}, {e.size}, {s.size})")
+    dtype = str(a.dtype)
+    rtol, atol = CLASSIC_TOLERANCES.get(native_bound.dtype, CLASSIC_TOLERANCES[dtype])
+    chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
+    bits = _BITS[a.dtype]
+    out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s, native_bound.relative,
+                              native_bound.absolute, manual_bound.relative, manual_bound.absolute,
+                              rtol, atol, chunks)
+    total = out.sum(axis=0)
+    peak = out.max(axis=0) if len(out) else np.zeros(_NSTATS)
+
+    def arg(column: int, which: int) -> int:
+        return int(where[int(np.argmax(out[:, column])), which]) if len(out) else -1
+
+    ratio_a, ratio_b = float(peak[_RATIO_A]), float(peak[_RATIO_B])
+    worst_mode = "native" if ratio_a >= ratio_b else "manual"
+    worst_flat = arg(_RATIO_A, 1) if worst_mode == "native" else arg(_RATIO_B, 2)
+    worst_bound = native_bound if worst_mode == "native" else manual_bound
+    bound_at_worst = worst_bound.at(float(s[worst_flat])) if worst_flat >= 0 else worst_bound.at(0.0)
+
+    nonfinite = total[_NONFIN_A] + total[_NONFIN_B] + total[_NONFIN_E]
+    mismatched = int(total[_NDIFF])
+    if nonfinite:
+        verdict = "non-finite"
+    elif mismatched == 0:
+        verdict = "identical"
+    elif max(ratio_a, ratio_b) <= 1.0:
+        verdict = "round-off"
+    else:
+        verdict = "diverged"
+    sum_abs_e = float(total[_SUM_ABS_E])
+    condition = float(total[_SUM_S]) / sum_abs_e if sum_abs_e > 0 else (math.inf if total[_SUM_S] > 0 else 1.0)
+    norm_e = math.sqrt(total[_SQ_E])
+    err2_a, err2_b = math.sqrt(total[_SQ_ERR_A]), math.sqrt(total[_SQ_ERR_B])
+    nearer = "tie" if err2_a == err2_b else ("native" if err2_a < err2_b else "manual")
+
+    def relative(err: float) -> float:
+        return err / norm_e if norm_e > 0 else (0.0 if err == 0 else math.inf)
+
+    result = TensorResult(
+        name=name, kind=kind, shape=list(shape), dtype=dtype, verdict=verdict,
+        ill_conditioned=condition >= ILL_CONDITIONED and verdict != "non-finite", numel=int(a.size),
+        max_abs_grad=float(peak[_MAX_E]), mismatched=mismatched, max_abs_diff=float(peak[_MAX_DIFF]),
+        max_abs_diff_index=_index(arg(_MAX_DIFF, 0), shape), max_rel_diff=float(peak[_MAX_REL]),
+        max_ulps=float(peak[_MAX_ULPS]), classic_mismatched=int(total[_NCLASSIC]), classic_rtol=rtol,
+        classic_atol=atol, ratio=max(ratio_a, ratio_b), worst_mode=worst_mode,
+        worst_index=_index(worst_flat, shape), bound_at_worst=bound_at_worst, ratio_native=ratio_a,
+        ratio_manual=ratio_b, over_bound_native=int(total[_OVER_A]), over_bound_manual=int(total[_OVER_B]),
+        err_native=float(peak[_MAX_ERR_A]), err_manual=float(peak[_MAX_ERR_B]),
+        rel_err_native=relative(err2_a), rel_err_manual=relative(err2_b), condition=condition,
+        nearer=nearer, nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
+    )
+    if oracle is not None:
+        o = np.asarray(oracle, np.float64).reshape(-1)
+        result.oracle_err_native = float(np.max(np.abs(a - o), initial=0.0))
+        result.oracle_err_manual = float(np.max(np.abs(b - o), initial=0.0))
+        result.oracle_err_exact = float(np.max(np.abs(e - o), initial=0.0))
+    return result

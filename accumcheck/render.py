@@ -1,0 +1,180 @@
+"""Renderers for a Report: terminal table (rich), markdown, csv. Rendering never computes."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from .report import Report, TensorResult
+
+FORMATS = ("table", "json", "markdown", "csv")
+_STYLE = {"identical": "green", "round-off": "cyan", "diverged": "bold red", "non-finite": "bold magenta"}
+
+
+def num(x: float | None) -> str:
+    """A number in 3 significant digits, scientific where that reads better."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+
+
+def _shape(t: TensorResult) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"
+
+
+def _index(index: list[int]) -> str:
+    return "(" + ", ".join(map(str, index)) + ")"
+
+
+def header_lines(report: Report) -> list[str]:
+    versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
+    native, manual = report.bound["native"], report.bound["manual"]
+    fused = report.bound.get("native_fused_roundings", 0)
+    lines = [
+        f"case {report.case} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
+        f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}",
+        f"{versions} · {report.seconds:.2f}s",
+        f"bound per element: |mode - E| <= gamma_k(u) * S + k * tiny, k = {native['roundings']} native"
+        + (f" (incl. {fused} fused rounding(s) per step)" if fused else "")
+        + f" / {manual['roundings']} manual; E, S = float64 sum of micro-gradients and of their magnitudes",
+    ]
+    if report.inject:
+        lines.append(f"injected fault: {report.inject}")
+    lines.append(f"reproduce: {report.reproduce_command()}")
+    return lines
+
+
+def summary_line(report: Report) -> str:
+    """One line: what was flagged (embeddings and weights first), or that all is faithful."""
+    n = len(report.tensors)
+    flagged = report.flagged
+    if flagged:
+        named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (f", {num(t.ratio)}x bound)" if t.verdict == "diverged"
+                                                                  else ")") for t in flagged)
+        return f"FLAGGED {len(flagged)} of {n} tensors: {named}"
+    counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off")}
+    ill = sum(t.ill_conditioned for t in report.tensors)
+    parts = [f"{c} {v}" for v, c in counts.items() if c]
+    text = f"OK: all {n} tensors faithful ({', '.join(parts)})"
+    return text + (f"; {ill} ill-conditioned (heavy cancellation, judged by the bound)" if ill else "")
+
+
+def tensor_details(t: TensorResult) -> list[str]:
+    """torch.testing-style lines for one tensor, plus what the bound knows."""
+    pct = 100.0 * t.mismatched / t.numel if t.numel else 0.0
+    lines = [f"{t.name} ({t.kind}, {_shape(t)}, {t.dtype}): {t.label}"]
+    if t.verdict == "non-finite":
+        lines.append(f"  Non-finite elements: native {t.nonfinite_native}, manual {t.nonfinite_manual} of {t.numel}")
+        return lines
+    if t.mismatched:
+        lines.append(f"  Mismatched elements: {t.mismatched} / {t.numel} ({pct:.1f}%) native vs manual; "
+                     f"beyond the round-off bound: native {t.over_bound_native}, manual {t.over_bound_manual}")
+    else:
+        lines.append(f"  Native and manual agree in all {t.numel} elements")
+    if t.mismatched:
+        lines.append(f"  Greatest absolute difference: {num(t.max_abs_diff)} at index {_index(t.max_abs_diff_index)} "
+                     f"(up to {num(t.classic_atol)} allowed by torch.testing's atol; "
+                     f"{t.classic_mismatched} elements fail rtol={t.classic_rtol:g}, atol={t.classic_atol:g})")
+        lines.append(f"  Greatest relative difference: {num(t.max_rel_diff)}; greatest ulp distance: {num(t.max_ulps)}")
+    if t.worst_index:
+        lines.append(f"  Worst element {_index(t.worst_index)}: {t.worst_mode} is {num(t.ratio)}x its round-off "
+                     f"bound {num(t.bound_at_worst)}")
+    lines.append(f"  Error against the float64 sum E: native {num(t.err_native)} (ratio {num(t.ratio_native)}), "
+                 f"manual {num(t.err_manual)} (ratio {num(t.ratio_manual)})"
+                 + ("" if t.nearer == "tie" else f"; {t.nearer} is nearer"))
+    if t.oracle_err_native is not None:
+        lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
+                     f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")
+    lines.append(f"  Gradient magnitude max|E| {num(t.max_abs_grad)}; condition number S/|E| {num(t.condition)}"
+                 + (" (ill-conditioned: cancellation, not a bug, while within the bound)" if t.ill_conditioned else ""))
+    return lines
+
+
+def rich_table(report: Report) -> Table:
+    """The per-parameter table: one row a tensor, the verdict and the numbers behind it."""
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
+    table.add_column("tensor", no_wrap=True)
+    table.add_column("kind")
+    table.add_column("shape")
+    for title in ("max|g|", "verdict", "x bound", "max|A-B|", "ulps", "rtol/atol fails", "cond S/|E|"):
+        table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=title == "verdict")
+    for t in report.tensors:
+        table.add_row(t.name, t.kind, _shape(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
+                      num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched),
+                      num(t.condition))
+    return table
+
+
+def render_table(report: Report, console: Console) -> None:
+    """Header, per-parameter table, details of flagged and ill-conditioned tensors, summary."""
+    console.print(Text("\n".join(header_lines(report)), style="dim"))
+    console.print(rich_table(report))
+    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
+    for t in noteworthy:
+        console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""))
+    style = "bold red" if report.flagged else "bold green"
+    console.print(Group(Text(""), Text(summary_line(report), style=style)))
+
+
+def table_text(report: Report, width: int = 160) -> str:
+    """The table rendering as plain text (for files)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    render_table(report, console)
+    return console.file.getvalue()
+
+
+def markdown(report: Report) -> str:
+    """A GitHub-flavoured markdown report: header, table, flagged details, summary."""
+    out = [f"## accumcheck: {report.case} ({report.framework}, {report.device}, N = {report.accum_steps})", ""]
+    out += [f"- {line}" for line in header_lines(report)] + [""]
+    cols = ["tensor", "kind", "shape", "max abs grad", "verdict", "ratio to bound", "max abs diff", "ulps",
+            "rtol/atol mismatches", "cond S/abs(E)", "err native", "err manual", "nearer"]
+    out.append("| " + " | ".join(cols) + " |")
+    out.append("|" + "|".join("---" if c in ("tensor", "kind", "shape", "verdict", "nearer") else "---:"
+                              for c in cols) + "|")
+    for t in report.tensors:
+        verdict = f"**{t.label}**" if t.flagged else t.label
+        row = [f"`{t.name}`", t.kind, _shape(t), num(t.max_abs_grad), verdict, num(t.ratio), num(t.max_abs_diff),
+               num(t.max_ulps), str(t.classic_mismatched), num(t.condition), num(t.err_native), num(t.err_manual),
+               t.nearer]
+        out.append("| " + " | ".join(row) + " |")
+    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
+    if noteworthy:
+        out += ["", "```"] + [line for t in noteworthy for line in tensor_details(t)] + ["```"]
+    out += ["", f"**{summary_line(report)}**", ""]
+    return "\n".join(out)
+
+
+def csv_text(report: Report) -> str:
+    """One row per tensor with every statistic; run facts repeated on each row."""
+    buffer = io.StringIO()
+    tensor_fields = [f.name for f in dataclasses.fields(TensorResult)]
+    run_fields = ["case", "framework", "device", "accum_steps", "seed", "inject"]
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(run_fields + tensor_fields)
+    for t in report.tensors:
+        values = [getattr(report, f) for f in run_fields] + [getattr(t, f) for f in tensor_fields]
+        writer.writerow(["x".join(map(str, v)) if isinstance(v, list) else ("" if v is None else v) for v in values])
+    return buffer.getvalue()
+
+
+def render(report: Report, fmt: str) -> str:
+    """The report as text in ``fmt`` (one of FORMATS)."""
+    if fmt == "json":
+        return report.to_json()
+    if fmt == "markdown":
+        return markdown(report)
+    if fmt == "csv":
+        return csv_text(report)
+    return table_text(report)

@@ -1,0 +1,1 @@
+"""Built-in cases: one TOML file each, loaded by ``accumcheck.cases``."""
