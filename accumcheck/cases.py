@@ -10,6 +10,7 @@ the number of accumulation steps.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import tomllib
 import zlib
@@ -251,7 +252,9 @@ class _Reader:
 
     def _missing(self, key: str, kind: type, choices: tuple) -> Any:
         hint = f" (one of {', '.join(map(repr, choices))})" if choices else f" ({kind.__name__})"
-        raise self.fail(key, f"missing required key; add {key} = ...{hint}")
+        typo = difflib.get_close_matches(key, [k for k in self.table if k not in self.used], 1)
+        found = f"; is {typo[0]!r} a misspelling of it?" if typo else ""
+        raise self.fail(key, f"missing required key; add {key} = ...{hint}{found}")
 
     def finish(self) -> None:
         unknown = sorted(set(self.table) - self.used)

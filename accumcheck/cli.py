@@ -93,15 +93,19 @@ def _check_output(path: str | None) -> None:
         raise AccumcheckError(f"--output {path}: is a folder; give a file name")
 
 
-def _emit(report, args: argparse.Namespace) -> None:
+def _console():
     from rich.console import Console
 
+    # Piped output has no width of its own; give tables room instead of folding them.
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def _emit(report, args: argparse.Namespace) -> None:
     from .report import write_atomic
 
     if args.output is None:
         if args.format == "table":
-            # Piped output has no width of its own; give the table room instead of folding it.
-            render_table(report, Console(width=None if sys.stdout.isatty() else 120))
+            render_table(report, _console())
         else:
             sys.stdout.write(render(report, args.format))
         return
@@ -131,7 +135,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _cases(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from .cases import builtin_case, builtin_case_names
@@ -144,7 +147,7 @@ def _cases(args: argparse.Namespace) -> int:
         params = case.parameters()
         table.add_row(name, str(case.accum_steps), f"{len(params)} tensors, {sum(p.numel for p in params):,}",
                       " ".join(case.description.split()))
-    Console().print(table)
+    _console().print(table)
     return 0
 
 

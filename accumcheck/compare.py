@@ -36,6 +36,9 @@ _MAX_CHUNKS = 4096
  _MAX_ERR_B, _SQ_E, _NSTATS) = range(21)
 
 
+_BLOCK = 256  # elements checked for native == manual at once; equal blocks skip the A-B statistics
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks):
     n = a.size
@@ -68,60 +71,68 @@ def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs
         i_diff = -1
         i_a = -1
         i_b = -1
-        for i in range(lo, hi):
-            x = np.float64(a[i])
-            y = np.float64(b[i])
-            ex = e[i]
-            if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(ex)):
-                nonfin_a += not np.isfinite(x)
-                nonfin_b += not np.isfinite(y)
-                nonfin_e += not np.isfinite(ex)
-                ndiff += not (x == y or (np.isnan(x) and np.isnan(y)))
-                continue
-            sx = s[i]
-            abs_e = abs(ex)
-            max_e = abs_e if abs_e > max_e else max_e
-            sum_s += sx
-            sum_abs_e += abs_e
-            sq_e += ex * ex
-            # Each mode against E, and against its bound.
-            da = abs(x - ex)
-            db = abs(y - ex)
-            sq_err_a += da * da
-            sq_err_b += db * db
-            max_err_a = da if da > max_err_a else max_err_a
-            max_err_b = db if db > max_err_b else max_err_b
-            bound_a = rel_a * sx + abs_a
-            bound_b = rel_b * sx + abs_b
-            over_a += da > bound_a
-            over_b += db > bound_b
-            ra = da / bound_a
-            rb = db / bound_b
-            if ra > ratio_a:
-                ratio_a = ra
-                i_a = i
-            if rb > ratio_b:
-                ratio_b = rb
-                i_b = i
-            # Native against manual, as torch.testing would see it.
-            d = abs(x - y)
-            ndiff += x != y
-            if d > max_diff:
-                max_diff = d
-                i_diff = i
-            ay = abs(y)
-            rel = d / ay if ay > 0.0 else (np.inf if d > 0.0 else 0.0)
-            max_rel = rel if rel > max_rel else max_rel
-            nclassic += d > atol + rtol * ay
-            # Distance in ulps: map the bit patterns onto a monotonic integer line.
-            oa = np.int64(a_bits[i])
-            ob = np.int64(b_bits[i])
-            if oa < 0:
-                oa = sign_flip - oa
-            if ob < 0:
-                ob = sign_flip - ob
-            ulps = abs(np.float64(oa) - np.float64(ob))
-            max_ulps = ulps if ulps > max_ulps else max_ulps
+        for block in range(lo, hi, _BLOCK):
+            end = min(hi, block + _BLOCK)
+            equal = True
+            for i in range(block, end):
+                equal &= a[i] == b[i]
+            for i in range(block, end):
+                x = np.float64(a[i])
+                y = np.float64(b[i])
+                ex = e[i]
+                if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(ex)):
+                    nonfin_a += not np.isfinite(x)
+                    nonfin_b += not np.isfinite(y)
+                    nonfin_e += not np.isfinite(ex)
+                    ndiff += not (x == y or (np.isnan(x) and np.isnan(y)))
+                    continue
+                sx = s[i]
+                abs_e = abs(ex)
+                max_e = abs_e if abs_e > max_e else max_e
+                sum_s += sx
+                sum_abs_e += abs_e
+                sq_e += ex * ex
+                # Each mode against E, and against its bound (divide only for a new maximum).
+                da = abs(x - ex)
+                db = abs(y - ex)
+                sq_err_a += da * da
+                sq_err_b += db * db
+                max_err_a = da if da > max_err_a else max_err_a
+                max_err_b = db if db > max_err_b else max_err_b
+                bound_a = rel_a * sx + abs_a
+                bound_b = rel_b * sx + abs_b
+                over_a += da > bound_a
+                over_b += db > bound_b
+                if da > ratio_a * bound_a:
+                    ratio_a = da / bound_a
+                    i_a = i
+                if db > ratio_b * bound_b:
+                    ratio_b = db / bound_b
+                    i_b = i
+                if equal:
+                    continue
+                # Native against manual, as torch.testing would see it.
+                d = abs(x - y)
+                ndiff += x != y
+                if d > max_diff:
+                    max_diff = d
+                    i_diff = i
+                ay = abs(y)
+                if d > max_rel * ay:
+                    max_rel = d / ay if ay > 0.0 else np.inf
+                nclassic += d > atol + rtol * ay
+                # Distance in ulps: map the bit patterns onto a monotonic integer line.
+                oa = np.int64(a_bits[i])
+                ob = np.int64(b_bits[i])
+                if oa < 0:
+                    oa = sign_flip - oa
+                if ob < 0:
+                    ob = sign_flip - ob
+                if (oa >= 0) == (ob >= 0):
+                    ulps = np.float64(abs(oa - ob))  # exact below 2^53 ulps
+                else:
+                    ulps = abs(np.float64(oa) - np.float64(ob))  # opposite signs: huge, cannot overflow
+                max_ulps = ulps if ulps > max_ulps else max_ulps
         row = out[c]
         row[_MAX_E] = max_e
         row[_NONFIN_A] = nonfin_a

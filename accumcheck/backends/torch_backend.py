@@ -2,13 +2,15 @@
 
 Native accumulation is PyTorch's own: ``.grad`` accumulating across ``backward()`` calls. A hook
 on each parameter sees the micro-gradient before it is added (leaf-tensor hooks run before
-AccumulateGrad) and adds it into the manual buffer and the float64 sums E and S, so the two modes
-see the very same micro-gradients and nothing is stored per micro-step.
+AccumulateGrad); after the backward the step is added into the manual buffer and the float64
+sums E and S. The two modes see the very same micro-gradients and nothing is kept from one
+micro-step to the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from typing import Any, Iterator
@@ -18,6 +20,7 @@ import numpy as np
 from ..cases import LAYERNORM_EPS, Case, Layer
 from ..errors import AccumcheckError
 from ..faults import Fault, FaultInjector
+from ..kernels import add_step
 from .base import Backend, ParamAccumulation, Progress, RunResult
 
 
@@ -177,12 +180,58 @@ class TorchBackend(Backend):
                          losses=losses, settings=settings)
 
 
+class _StepRecorder:
+    """Feeds manual, E and S from the micro-gradients the native path receives.
+
+    During backward the hooks only keep a reference to each parameter's micro-gradient; after
+    backward the whole step goes into flat buffers with one concatenation and one fused pass
+    (three adds on CUDA), instead of three small operations per parameter inside the backward."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        import torch
+
+        self.params = params
+        first = next(iter(params.values()))
+        total = sum(p.numel() for p in params.values())
+        self.manual = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
+        self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
+        self.step = torch.empty(total, dtype=first.dtype, device=first.device)
+        self.grads: dict[str, Any] = {}
+
+    def flush(self) -> None:
+        """Add the step just finished into manual, E and S."""
+        import torch
+
+        grads = self.grads
+        if len(grads) < len(self.params):  # a parameter unused in this micro-step
+            for name, p in self.params.items():
+                grads.setdefault(name, torch.zeros_like(p))
+        torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
+        grads.clear()
+        if self.step.device.type == "cpu":
+            add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        else:
+            self.manual.add_(self.step)
+            self.exact.add_(self.step)
+            self.absum.add_(self.step.abs_())
+
+    def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
+        """Per-parameter (manual, exact, absum) views of the flat buffers."""
+        out, offset = {}, 0
+        for name, p in self.params.items():
+            span = slice(offset, offset + p.numel())
+            out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
+            offset += p.numel()
+        return out
+
+
 def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None,
                 progress: Progress | None, phase: str) -> dict[str, Any]:
     """Stream the micro-steps. Returns the manual/E/S buffers, the native grads and the mean loss."""
     import torch
 
-    buffers: dict[str, tuple[Any, Any, Any]] = {}
+    recorder = _StepRecorder(model.canonical)
     handles = []
     state = {"step": 0}
     injector = None
@@ -191,23 +240,18 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
 
     for name, param in model.canonical.items():
         param.grad = None
-        manual = torch.zeros_like(param)
-        exact = torch.zeros_like(param, dtype=torch.float64)
-        absum = torch.zeros_like(param, dtype=torch.float64)
-        buffers[name] = (manual, exact, absum)
-        targeted = injector is not None and fault is not None and fault.param == name
+        if injector is None or fault.param != name:
+            # A C-level callable: the hook costs no Python frame inside the backward pass.
+            handles.append(param.register_hook(functools.partial(recorder.grads.__setitem__, name)))
+            continue
 
-        def record(grad: Any, name: str = name, param: Any = param, targeted: bool = targeted) -> Any:
-            manual, exact, absum = buffers[name]
-            manual.add_(grad)
-            exact.add_(grad)
-            absum.add_(grad.abs())
-            if targeted:
-                return injector.contribution(state["step"], grad, param.grad)
-            return None
+        def inject(grad: Any, name: str = name, param: Any = param) -> Any:
+            # A copy: the native path may adopt ``grad`` as .grad, and the bf16 fault rounds that.
+            recorder.grads[name] = grad.clone()
+            return injector.contribution(state["step"], grad, param.grad)
 
-        handles.append(param.register_hook(record))
-        if targeted and fault.kind == "bf16":
+        handles.append(param.register_hook(inject))
+        if fault.kind == "bf16":
             def round_total(p: Any) -> None:
                 replaced = injector.after_add(state["step"], p.grad)
                 if replaced is not None:
@@ -226,6 +270,7 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
             labels = torch.from_numpy(batch.labels).to(dev)
             loss = case_loss(case, model(inputs), labels)
             loss.backward()
+            recorder.flush()
             loss_sum += loss.detach()
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
@@ -233,7 +278,7 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
         for handle in handles:
             handle.remove()
     native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in model.canonical.items()}
-    return {"buffers": buffers, "native": native, "loss": float(loss_sum) / accum_steps}
+    return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps}
 
 
 def _numpy(tensor: Any) -> np.ndarray:

@@ -1,0 +1,257 @@
+"""Core performance figures of accumcheck, as three ratios from one run (CPU, torch backend).
+
+(a) overhead   wall time of ``accumcheck.compare(case="transformer-small", accum_steps=N)`` over a
+               plain native loop on the same case and N (build the model, then N x forward +
+               ``loss.backward()``). Both warmed up once, then timed interleaved; ratio of medians.
+               Also shown, to say where the extra time goes: the backend run alone
+               (``TorchBackend.run``), the native loop with only the backend's hook arithmetic
+               added, and the judging (``build_report`` on a finished run).
+               Target <= 1.2.
+(b) memory     peak RSS of a fresh child running compare at N=256 over that of a fresh child at
+               N=16 (same code, same imports): the harness must not store per-step state. The
+               figure is the child's VmHWM; its ru_maxrss is shown too but is not usable here (see
+               CHILD). Target <= 1.05.
+(c) comparator million elements/s of ``compare_tensor`` on a 20M-element float32 tensor (8 seeded
+               micro-gradients per element, summed forward into A and in reverse into B; E and S
+               in float64) against ``torch.testing.assert_close(A, B)`` (AssertionError caught;
+               its time counts). Also for A == B. Target >= 5x.
+
+Targets are informational: a MISS is printed, and the script still exits 0.
+
+    python benchmarks/bench_core.py               # full run, ~1-2 min on 2 cores
+    python benchmarks/bench_core.py --quick       # smoke run, smaller N and tensor
+    python benchmarks/bench_core.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numba
+import numpy as np
+import torch
+
+import accumcheck
+from accumcheck.api import build_report
+from accumcheck.backends.torch_backend import TorchBackend, build_model, case_loss
+from accumcheck.bounds import ModeBound
+from accumcheck.cases import resolve_case
+from accumcheck.compare import compare_tensor  # (the attribute accumcheck.compare is the function)
+
+CASE = "transformer-small"
+CPU = torch.device("cpu")
+
+
+def machine() -> dict:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__, "numba": numba.__version__,
+            "accumcheck": accumcheck.__version__}
+
+
+def timed_value(fn):
+    """(seconds, result) of one call of ``fn``."""
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def timed(fn) -> float:
+    return timed_value(fn)[0]
+
+
+def medians(fns: dict, reps: int) -> dict:
+    """Warm each up once, then time them interleaved ``reps`` times; median seconds of each."""
+    for fn in fns.values():
+        fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ----------------------------------------------------------------------------- (a) overhead
+
+
+def bench_overhead(steps: int, reps: int) -> dict:
+    case = resolve_case(CASE)
+
+    def native() -> None:
+        model = build_model(case, case.weights(), torch.float32, CPU)
+        for step in range(steps):
+            batch = case.batch(step)
+            loss = case_loss(case, model(torch.from_numpy(batch.inputs)), torch.from_numpy(batch.labels))
+            loss.backward()
+
+    run = TorchBackend().run(case, steps, "cpu")
+    t = medians({
+        "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, oracle=False),
+        "native": native,
+        "backend_run": lambda: TorchBackend().run(case, steps, "cpu"),
+        "judging": lambda: build_report(case, run, steps, None, False, 0.0),
+    }, reps)
+    per_step = lambda s: s / steps * 1e3  # noqa: E731
+    return {"steps": steps, "reps": reps, "compare_s": t["compare"], "native_s": t["native"],
+            "ratio": t["compare"] / t["native"],
+            "native_ms_per_step": per_step(t["native"]),
+            "backend_extra_ms_per_step": per_step(t["backend_run"] - t["native"]),
+            "judging_ms": t["judging"] * 1e3}
+
+
+# ----------------------------------------------------------------------------- (b) memory
+
+# The child prints its peak RSS twice: VmHWM (peak of its own address space) and ru_maxrss. Only
+# VmHWM is used: Linux carries ru_maxrss over fork+exec, so a child of this (large) process reports
+# at least this process's own peak, which would hide the figure.
+CHILD = """
+import resource, sys
+import accumcheck
+accumcheck.compare(case=%r, framework="torch", accum_steps=int(sys.argv[1]), oracle=False)
+hwm = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(hwm, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+""" % CASE
+
+
+def peak_rss_mib(steps: int) -> tuple[float, float]:
+    """(VmHWM, ru_maxrss) of a fresh child running compare at ``steps``, in MiB."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(steps)], check=True, capture_output=True, text=True)
+    hwm, maxrss = out.stdout.split()[-2:]
+    return int(hwm) / 1024, int(maxrss) / 1024  # both in KiB on Linux
+
+
+def bench_memory(small: int, large: int, runs: int) -> dict:
+    lo = [peak_rss_mib(small) for _ in range(runs)]
+    hi = [peak_rss_mib(large) for _ in range(runs)]
+    lo_mib, hi_mib = statistics.median(x[0] for x in lo), statistics.median(x[0] for x in hi)
+    return {"small_steps": small, "large_steps": large, "runs": runs, "small_mib": lo_mib, "large_mib": hi_mib,
+            "ratio": hi_mib / lo_mib, "small_ru_maxrss_mib": statistics.median(x[1] for x in lo),
+            "large_ru_maxrss_mib": statistics.median(x[1] for x in hi)}
+
+
+# ----------------------------------------------------------------------------- (c) comparator
+
+
+def make_tensors(n: int, micro: int = 8, chunk: int = 1 << 20, seed: int = 0):
+    """A (float32, forward sum), B (float32, reverse sum), E and S (float64) of ``micro`` seeded
+    micro-gradients per element: a per-element mean plus noise, magnitudes spread over 1e-6..1e-2."""
+    rng = np.random.default_rng(seed)
+    a, b = np.empty(n, np.float32), np.empty(n, np.float32)
+    e, s = np.empty(n), np.empty(n)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        scale = (10.0 ** rng.uniform(-6, -2, m)).astype(np.float32)
+        g = (rng.standard_normal(m, dtype=np.float32) + rng.standard_normal((micro, m), dtype=np.float32)) * scale
+        fwd, rev = g[0].copy(), g[-1].copy()
+        for k in range(1, micro):
+            fwd += g[k]
+            rev += g[micro - 1 - k]
+        a[lo:lo + m], b[lo:lo + m] = fwd, rev
+        g64 = g.astype(np.float64)
+        e[lo:lo + m] = g64.sum(axis=0)
+        s[lo:lo + m] = np.abs(g64).sum(axis=0)
+    return a, b, e, s
+
+
+def bench_comparator(n: int, reps: int) -> dict:
+    a, b, e, s = make_tensors(n)
+    bound = ModeBound.for_sum("float32", 8)
+    results = {"numel": n, "reps": reps}
+    for label, other in (("differ", b), ("identical", a.copy())):
+        raised = []
+
+        def ours() -> None:
+            results[f"{label}_verdict"] = compare_tensor("bench", "weight", a, other, e, s, bound, bound).verdict
+
+        def theirs() -> None:
+            try:
+                torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(other))
+            except AssertionError:
+                raised.append(True)
+
+        t = medians({"ours": ours, "assert_close": theirs}, reps)
+        results[label] = {"ours_meps": n / t["ours"] / 1e6, "assert_close_meps": n / t["assert_close"] / 1e6,
+                          "ratio": t["assert_close"] / t["ours"], "assert_close_raised": bool(raised),
+                          "mismatched": int(np.count_nonzero(a != other))}
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def verdict(value: float, target: float, at_most: bool) -> str:
+    ok = value <= target if at_most else value >= target
+    return "PASS" if ok else "MISS"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short smoke run (smaller N and tensor)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args()
+    q = args.quick
+    started = time.perf_counter()
+
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable, torch threads "
+          f"{info['torch_threads']}); python {info['python']}, torch {info['torch']}, numpy {info['numpy']}, "
+          f"numba {info['numba']}, accumcheck {info['accumcheck']}{'  [--quick]' if q else ''}")
+
+    phases = {}
+    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 7))
+    phases["b"], mem = timed_value(lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
+    phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
+
+    rows = [
+        ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}", over["ratio"], "<= 1.2",
+         verdict(over["ratio"], 1.2, True),
+         f"{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms, median of {over['reps']}"),
+        ("(b) memory", f"peak RSS N={mem['large_steps']} / N={mem['small_steps']}", mem["ratio"], "<= 1.05",
+         verdict(mem["ratio"], 1.05, True),
+         f"VmHWM {mem['large_mib']:.0f} / {mem['small_mib']:.0f} MiB, median of {mem['runs']} children "
+         f"(ru_maxrss {mem['large_ru_maxrss_mib']:.0f} / {mem['small_ru_maxrss_mib']:.0f})"),
+    ]
+    for label in ("differ", "identical"):
+        c = comp[label]
+        rows.append(("(c) comparator", f"compare_tensor / assert_close, {comp['numel'] / 1e6:g}M, A {'!=' if label == 'differ' else '=='} B",
+                     c["ratio"], ">= 5x", verdict(c["ratio"], 5.0, False),
+                     f"{c['ours_meps']:.0f} vs {c['assert_close_meps']:.0f} Melem/s, median of {comp['reps']}"))
+    print()
+    print(f"{'figure':<15} {'measures':<50} {'ratio':>7}  {'target':<8} {'':<4}  detail")
+    for name, what, ratio, target, ok, detail in rows:
+        print(f"{name:<15} {what:<50} {ratio:>7.3f}  {target:<8} {ok:<4}  {detail}")
+
+    print()
+    print(f"(a) per micro-step: native fwd+bwd {over['native_ms_per_step']:.2f} ms; the backend run adds "
+          f"{over['backend_extra_ms_per_step']:.2f} ms (hooks, manual/E/S adds); "
+          f"judging all tensors (once) {over['judging_ms']:.1f} ms")
+    print(f"(c) A != B: {comp['differ']['mismatched']} elements differ, verdict {comp['differ_verdict']}, "
+          f"assert_close raised: {comp['differ']['assert_close_raised']}; "
+          f"A == B: verdict {comp['identical_verdict']}, assert_close raised: {comp['identical']['assert_close_raised']}")
+    elapsed = time.perf_counter() - started
+    print(f"total {elapsed:.0f} s (a {phases['a']:.0f} s, b {phases['b']:.0f} s, c {phases['c']:.0f} s)")
+
+    if args.json:
+        figures = {"machine": info, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp,
+                   "targets": {"overhead": 1.2, "memory": 1.05, "comparator": 5.0}}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

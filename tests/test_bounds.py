@@ -1,0 +1,45 @@
+import math
+
+import pytest
+
+from accumcheck.bounds import UNIT_ROUNDOFF, ModeBound, gamma
+
+
+def test_gamma_matches_hand_computed_values():
+    u = 2.0**-24
+    assert gamma(0, u) == 0.0
+    assert gamma(1, u) == pytest.approx(u / (1 - u), rel=1e-15)
+    assert gamma(31, u) == pytest.approx(31 * u / (1 - 31 * u), rel=1e-15)
+    assert gamma(31, u) == pytest.approx(1.8477e-6, rel=1e-4)
+
+
+def test_gamma_is_infinite_once_the_bound_says_nothing():
+    assert gamma(256, UNIT_ROUNDOFF["bfloat16"]) == math.inf
+    assert math.isfinite(gamma(255, UNIT_ROUNDOFF["bfloat16"]))
+
+
+def test_mode_bound_counts_n_minus_one_roundings_plus_fused_ones():
+    plain = ModeBound.for_sum("float32", 32)
+    assert plain.roundings == 31
+    fused = ModeBound.for_sum("float32", 32, fused_roundings=1)
+    assert fused.roundings == 31 + 32
+    assert fused.relative > plain.relative
+    # E's own float64 error is included, and is negligible next to float32's.
+    assert plain.relative == pytest.approx(gamma(31, 2.0**-24) + gamma(31, 2.0**-53), rel=1e-15)
+
+
+def test_bound_scales_with_gradient_magnitude():
+    # A tensor of 1e-10 gradients summed 32 times is judged at ~1e-17, not at a fixed 1e-5.
+    bound = ModeBound.for_sum("float32", 32)
+    assert 1e-17 < bound.at(32 * 1e-10) < 1e-14
+    assert bound.at(0.0) == pytest.approx(31 * 2.0**-126)
+
+
+def test_one_step_has_nothing_to_round():
+    bound = ModeBound.for_sum("float32", 1)
+    assert bound.roundings == 0 and bound.relative == 0.0 and bound.at(5.0) == 0.0
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="int8"):
+        ModeBound.for_sum("int8", 4)

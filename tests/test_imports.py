@@ -1,0 +1,35 @@
+"""The core imports no deep-learning framework: not on import, not when comparing or rendering."""
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import sys
+import numpy as np
+import accumcheck
+from accumcheck.api import build_report
+from accumcheck.backends import installed_frameworks
+from accumcheck.backends.base import ParamAccumulation, RunResult
+from accumcheck.cases import builtin_case
+from accumcheck.render import FORMATS, render
+
+installed_frameworks()
+case = builtin_case("shared-weight")
+g = np.ones((16, 16), np.float32)
+params = [ParamAccumulation("shared.weight", "weight", g, g.copy(), g.astype(np.float64),
+                            g.astype(np.float64))]
+run = RunResult(params=params, framework="none", versions={}, device="cpu", param_dtype="float32",
+                accum_dtype="float32")
+report = build_report(case, run, 4, None, False, 0.0)
+assert report.tensors[0].verdict == "identical"
+for fmt in FORMATS:
+    render(report, fmt)
+loaded = [m for m in ("torch", "mxnet", "jax", "tensorflow") if m in sys.modules]
+print("LOADED", loaded)
+"""
+
+
+def test_core_imports_no_framework():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stdout
