@@ -7,8 +7,8 @@ add into a buffer), and judges every parameter tensor against floating-point err
 
 __version__ = "0.1.0"
 
-from .api import compare
+from .api import compare, compare_frameworks
 from .errors import AccumcheckError
 from .report import Report, TensorResult, load_report
 
-__all__ = ["AccumcheckError", "Report", "TensorResult", "__version__", "compare", "load_report"]
+__all__ = ["AccumcheckError", "Report", "TensorResult", "__version__", "compare", "compare_frameworks", "load_report"]

@@ -1,16 +1,21 @@
-"""``accumcheck.compare``: one call runs a case in a framework and returns the Report."""
+"""``accumcheck.compare``: one call runs a case in a framework and returns the Report;
+``accumcheck.compare_frameworks`` runs it in several and says whether they agree."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import time
 from pathlib import Path
+from typing import Sequence
+
+import numpy as np
 
 from .backends import get_backend
 from .backends.base import Progress, RunResult
 from .bounds import ModeBound
 from .cases import Case, resolve_case
 from .compare import compare_tensor
+from .crosscheck import CrossReport, agreement, forward_agreement
 from .errors import AccumcheckError
 from .faults import Fault, parse_fault, resolve_fault
 from .report import Report
@@ -25,13 +30,58 @@ def compare(
     oracle: bool = False,
     inject: str | Fault | None = None,
     progress: Progress | None = None,
+    hybridize: bool = True,
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
 
-    Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
+    ``hybridize`` applies to MXNet (Gluon ``hybridize(static_alloc=True)``); other frameworks
+    ignore it. Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
+    the_case, steps, fault = _prepare(case, accum_steps, seed, inject)
+    backend = get_backend(framework)
+    run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
+                      options={"hybridize": hybridize})
+    return build_report(the_case, run, steps, fault, oracle, time.perf_counter() - started)
+
+
+def compare_frameworks(
+    case: str | Path | Case = "embed-attention",
+    frameworks: Sequence[str] = ("torch", "mxnet"),
+    accum_steps: int | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+    inject: str | Fault | None = None,
+    progress: Progress | None = None,
+    hybridize: bool = True,
+    weights: dict[str, dict[str, np.ndarray]] | None = None,
+) -> CrossReport:
+    """Run ``case`` in each framework (with the float64 oracle, which the agreement bound needs),
+    judge each one as ``compare`` does, and compare the first framework's manual sums with every
+    other's. ``weights`` may give one framework other initial weights (to prove the check fires).
+
+    Returns a CrossReport; raises AccumcheckError as ``compare`` does, or for fewer than two
+    distinct frameworks."""
+    names = list(dict.fromkeys(frameworks))
+    if len(names) < 2:
+        raise AccumcheckError(f"--framework: name two frameworks to compare (e.g. torch,mxnet), got {frameworks!r}")
+    the_case, steps, fault = _prepare(case, accum_steps, seed, inject)
+    backends = [get_backend(name) for name in names]  # all checked before any runs
+    runs, reports = [], []
+    for backend in backends:
+        started = time.perf_counter()
+        run = backend.run(the_case, steps, device, fault=fault, oracle=True, progress=progress,
+                          options={"hybridize": hybridize}, weights=(weights or {}).get(backend.framework_name))
+        runs.append(run)
+        reports.append(build_report(the_case, run, steps, fault, True, time.perf_counter() - started))
+    agreements = [a for other in runs[1:] for a in agreement(runs[0], other)]
+    return CrossReport(frameworks=names, reports=reports, agreement=agreements,
+                       forward=forward_agreement(runs[0], runs[1]))
+
+
+def _prepare(case: str | Path | Case, accum_steps: int | None, seed: int | None,
+             inject: str | Fault | None) -> tuple[Case, int, Fault | None]:
     the_case = resolve_case(case)
     if seed is not None:
         the_case = the_case.with_seed(seed)
@@ -42,9 +92,7 @@ def compare(
     if inject is not None:
         fault = parse_fault(inject) if isinstance(inject, str) else inject
         fault = resolve_fault(fault, [(p.name, p.kind) for p in the_case.parameters()], steps)
-    backend = get_backend(framework)
-    run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress)
-    return build_report(the_case, run, steps, fault, oracle, time.perf_counter() - started)
+    return the_case, steps, fault
 
 
 def build_report(case: Case, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
@@ -52,7 +100,7 @@ def build_report(case: Case, run: RunResult, accum_steps: int, fault: Fault | No
     """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report."""
     from . import __version__
 
-    native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_fused_roundings)
+    native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_kernel_allowance)
     manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
     tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum,
                               native_bound, manual_bound, p.oracle) for p in run.params]
@@ -61,7 +109,6 @@ def build_report(case: Case, run: RunResult, accum_steps: int, fault: Fault | No
         framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
         param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
         oracle=oracle, inject=None if fault is None else str(fault),
-        bound={"native": vars(native_bound), "manual": vars(manual_bound),
-               "native_fused_roundings": run.native_fused_roundings},
+        bound={"native": vars(native_bound), "manual": vars(manual_bound)},
         settings=run.settings, losses=run.losses, seconds=round(seconds, 3),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors)

@@ -39,26 +39,38 @@ def gamma(k: int, u: float) -> float:
 
 @dataclass(frozen=True)
 class ModeBound:
-    """Per-element bound for one accumulation mode: |mode_i - E_i| <= relative * S_i + absolute.
+    """Per-element bound for one accumulation mode:
 
-    ``roundings`` counts the roundings each micro-gradient may suffer on its way into the total:
-    N-1 for a plain running sum, more where a kernel fuses the add (see ``fused_roundings``).
-    ``relative`` also covers the float64 error of E itself (gamma_{N-1} in double precision).
+        |mode_i - E_i| <= relative * S_i + absolute + tensor * S_rms
+
+    ``roundings`` = N - 1 for a running sum; ``relative`` also covers the float64 error of E itself
+    (gamma_{N-1} in double precision). ``kernel_allowance`` (in units of u) is for a mode whose
+    micro-gradients come from other kernels than E's: MXNet's ``grad_req='add'`` backward writes
+    into the running total (kAddTo), summing a micro-step's inner terms (per-token rows of an
+    embedding, say) straight into it, so it may round differently at the scale of those terms.
+    It adds c*u*(S_i + S_rms), S_rms being the root-mean-square of S over the tensor.
     """
 
     dtype: str
     roundings: int
     relative: float
     absolute: float
+    kernel_allowance: float = 0.0
+    tensor: float = 0.0
 
     @classmethod
-    def for_sum(cls, dtype: str, accum_steps: int, fused_roundings: int = 0) -> "ModeBound":
+    def for_sum(cls, dtype: str, accum_steps: int, kernel_allowance: float = 0.0) -> "ModeBound":
         if dtype not in UNIT_ROUNDOFF:
             raise ValueError(f"no unit round-off known for dtype {dtype!r}")
-        k = max(accum_steps - 1, 0) + fused_roundings * accum_steps
-        relative = gamma(k, UNIT_ROUNDOFF[dtype]) + gamma(max(accum_steps - 1, 0), UNIT_ROUNDOFF["float64"])
-        return cls(dtype, k, relative, k * SMALLEST_NORMAL[dtype])
+        u = UNIT_ROUNDOFF[dtype]
+        k = max(accum_steps - 1, 0)
+        relative = gamma(k, u) + gamma(k, UNIT_ROUNDOFF["float64"]) + kernel_allowance * u
+        return cls(dtype, k, relative, k * SMALLEST_NORMAL[dtype], kernel_allowance, kernel_allowance * u)
 
-    def at(self, absum: float) -> float:
+    def floor(self, absum_rms: float) -> float:
+        """The absolute part of the bound, for a tensor whose S has root-mean-square ``absum_rms``."""
+        return self.absolute + self.tensor * absum_rms
+
+    def at(self, absum: float, absum_rms: float = 0.0) -> float:
         """The bound for one element whose sum of absolute micro-gradients is ``absum``."""
-        return self.relative * absum + self.absolute
+        return self.relative * absum + self.floor(absum_rms)

@@ -204,9 +204,11 @@ def compare_tensor(
     rtol, atol = CLASSIC_TOLERANCES.get(native_bound.dtype, CLASSIC_TOLERANCES[dtype])
     chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
     bits = _BITS[a.dtype]
-    out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s, native_bound.relative,
-                              native_bound.absolute, manual_bound.relative, manual_bound.absolute,
-                              rtol, atol, chunks)
+    # The root-mean-square of S sets the scale of a kernel allowance; skip the pass when unused.
+    s_rms = float(np.sqrt(np.dot(s, s) / s.size)) if (native_bound.tensor or manual_bound.tensor) and s.size else 0.0
+    out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s,
+                              native_bound.relative, native_bound.floor(s_rms), manual_bound.relative,
+                              manual_bound.floor(s_rms), rtol, atol, chunks)
     total = out.sum(axis=0)
     peak = out.max(axis=0) if len(out) else np.zeros(_NSTATS)
 
@@ -217,7 +219,7 @@ def compare_tensor(
     worst_mode = "native" if ratio_a >= ratio_b else "manual"
     worst_flat = arg(_RATIO_A, 1) if worst_mode == "native" else arg(_RATIO_B, 2)
     worst_bound = native_bound if worst_mode == "native" else manual_bound
-    bound_at_worst = worst_bound.at(float(s[worst_flat])) if worst_flat >= 0 else worst_bound.at(0.0)
+    bound_at_worst = worst_bound.at(float(s[worst_flat]) if worst_flat >= 0 else 0.0, s_rms)
 
     nonfinite = total[_NONFIN_A] + total[_NONFIN_B] + total[_NONFIN_E]
     mismatched = int(total[_NDIFF])

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from .errors import AccumcheckError
 
 FAULT_KINDS = ("drop-step", "double-step", "scale", "bf16", "roundoff")
@@ -103,3 +105,11 @@ class FaultInjector:
 
     def after_add(self, step: int, total: Any) -> Any:
         return self.to_bfloat16(total) if self.fault.kind == "bf16" else None
+
+
+def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), returned as float32."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(values), out, values).astype(np.float32)

@@ -40,13 +40,15 @@ def _index(index: list[int]) -> str:
 def header_lines(report: Report) -> list[str]:
     versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
     native, manual = report.bound["native"], report.bound["manual"]
-    fused = report.bound.get("native_fused_roundings", 0)
+    allowance = native.get("kernel_allowance", 0.0)
+    settings = ", ".join(f"{k} {v}" for k, v in report.settings.items() if k in ("hybridize", "oracle"))
     lines = [
         f"case {report.case} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
-        f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}",
+        f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}"
+        + (f" · {settings}" if settings else ""),
         f"{versions} · {report.seconds:.2f}s",
-        f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']} native"
-        + (f" (incl. {fused} fused rounding(s) per step)" if fused else "") + f", {manual['roundings']} manual",
+        f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
+        + (f"; native + {allowance:g}u * (S + S_rms) kernel allowance (kAddTo kernels)" if allowance else ""),
         "E, S: float64 sums of the micro-gradients and of their magnitudes",
     ]
     if report.inject:

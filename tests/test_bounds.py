@@ -18,12 +18,14 @@ def test_gamma_is_infinite_once_the_bound_says_nothing():
     assert math.isfinite(gamma(255, UNIT_ROUNDOFF["bfloat16"]))
 
 
-def test_mode_bound_counts_n_minus_one_roundings_plus_fused_ones():
+def test_mode_bound_counts_n_minus_one_roundings_plus_a_kernel_allowance():
     plain = ModeBound.for_sum("float32", 32)
-    assert plain.roundings == 31
-    fused = ModeBound.for_sum("float32", 32, fused_roundings=1)
-    assert fused.roundings == 31 + 32
-    assert fused.relative > plain.relative
+    assert plain.roundings == 31 and plain.floor(5.0) == plain.absolute
+    fused = ModeBound.for_sum("float32", 32, kernel_allowance=4.0)
+    assert fused.roundings == 31
+    assert fused.relative == pytest.approx(plain.relative + 4 * 2.0**-24, rel=1e-15)
+    assert fused.floor(2.0) == pytest.approx(plain.absolute + 4 * 2.0**-24 * 2.0, rel=1e-15)
+    assert fused.at(1.0, 2.0) == pytest.approx(fused.relative + fused.floor(2.0), rel=1e-15)
     # E's own float64 error is included, and is negligible next to float32's.
     assert plain.relative == pytest.approx(gamma(31, 2.0**-24) + gamma(31, 2.0**-53), rel=1e-15)
 

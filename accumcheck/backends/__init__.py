@@ -17,6 +17,7 @@ from .base import Backend, ParamAccumulation, RunResult
 # framework name -> (backend module, the framework's import name, pip extra)
 _BACKENDS = {
     "torch": ("accumcheck.backends.torch_backend", "torch", "torch"),
+    "mxnet": ("accumcheck.backends.mxnet_backend", "mxnet", "mxnet"),
 }
 FRAMEWORKS = tuple(_BACKENDS)
 

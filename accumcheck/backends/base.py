@@ -41,10 +41,13 @@ class RunResult:
     device: str
     param_dtype: str
     accum_dtype: str
-    # Extra roundings per micro-step in the native path where a kernel fuses the add (0: none).
-    native_fused_roundings: int = 0
+    # Allowance (in units of u, see bounds.ModeBound) where the native path's kernels add into the
+    # running total themselves and so compute micro-gradients differently from the manual path.
+    native_kernel_allowance: float = 0.0
     losses: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    # Logits of micro-batch 0 in the manual pass, to compare forward passes across frameworks.
+    first_logits: np.ndarray | None = None
 
 
 class Backend(ABC):
@@ -58,7 +61,10 @@ class Backend(ABC):
 
     @abstractmethod
     def run(self, case: Case, accum_steps: int, device: str, fault: Fault | None = None,
-            oracle: bool = False, progress: Progress | None = None) -> RunResult:
+            oracle: bool = False, progress: Progress | None = None,
+            options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
         """Run ``accum_steps`` micro-steps of ``case`` on ``device`` ("cpu" or "gpu"/"cuda[:i]").
+        ``options`` holds framework-specific settings (MXNet: ``hybridize``); others ignore them.
+        ``weights`` replaces the case's initial weights (same names and shapes).
 
         Raises AccumcheckError when the device is not available."""

@@ -146,11 +146,12 @@ class TorchBackend(Backend):
         return found
 
     def run(self, case: Case, accum_steps: int, device: str, fault: Fault | None = None,
-            oracle: bool = False, progress: Progress | None = None) -> RunResult:
+            oracle: bool = False, progress: Progress | None = None,
+            options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
         import torch
 
         dev = resolve_device(device)
-        weights = case.weights()
+        weights = case.weights() if weights is None else weights
         kinds = {p.name: p.kind for p in case.parameters()}
         with deterministic(dev) as settings, torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             model = build_model(case, weights, torch.float32, dev)
@@ -159,6 +160,9 @@ class TorchBackend(Backend):
             if oracle:
                 model64 = build_model(case, weights, torch.float64, dev)
                 exact_oracle = _accumulate(case, model64, accum_steps, dev, None, progress, "float64 oracle")
+            with torch.no_grad():
+                batch = case.batch(0)
+                logits = _numpy(model(_inputs(batch.inputs, dev, torch.float32)))
             params = []
             for name, param in model.canonical.items():
                 manual, exact, absum = sums["buffers"][name]
@@ -176,8 +180,27 @@ class TorchBackend(Backend):
             name = "cpu"
         settings["requested_device"] = device
         return RunResult(params=params, framework="torch", versions=self.versions(), device=name,
-                         param_dtype="float32", accum_dtype="float32", native_fused_roundings=0,
-                         losses=losses, settings=settings)
+                         param_dtype="float32", accum_dtype="float32", native_kernel_allowance=0.0,
+                         losses=losses, settings=settings, first_logits=logits)
+
+
+def float64_oracle(case: Case, weights: dict[str, np.ndarray], accum_steps: int, device: str,
+                   progress: Progress | None = None) -> tuple[dict[str, np.ndarray], float]:
+    """Accumulated gradients of the whole model in float64, and its mean loss (for other backends)."""
+    import torch
+
+    dev = resolve_device(device)
+    with deterministic(dev), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        model = build_model(case, weights, torch.float64, dev)
+        result = _accumulate(case, model, accum_steps, dev, None, progress, "float64 oracle (torch)")
+    return {name: _numpy(g) for name, g in result["native"].items()}, result["loss"]
+
+
+def _inputs(values: np.ndarray, dev: Any, dtype: Any) -> Any:
+    import torch
+
+    inputs = torch.from_numpy(values).to(dev)
+    return inputs.to(dtype) if inputs.is_floating_point() else inputs
 
 
 class _StepRecorder:
@@ -264,9 +287,7 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
         for step in range(accum_steps):
             state["step"] = step
             batch = case.batch(step)
-            inputs = torch.from_numpy(batch.inputs).to(dev)
-            if inputs.is_floating_point():
-                inputs = inputs.to(next(model.parameters()).dtype)
+            inputs = _inputs(batch.inputs, dev, next(model.parameters()).dtype)
             labels = torch.from_numpy(batch.labels).to(dev)
             loss = case_loss(case, model(inputs), labels)
             loss.backward()

@@ -1,0 +1,294 @@
+"""MXNet Gluon backend: ``grad_req='add'`` against ``grad_req='write'`` plus a buffer.
+
+MXNet cannot give both modes from one backward pass: the mode is a property of the parameter. So
+the case runs twice from the same weights and batches: the native pass with ``grad_req='add'``
+(gradients zeroed once, then N micro-steps), the manual pass with ``grad_req='write'`` where each
+micro-step's ``p.grad()`` is added into a buffer (``acc[:] += p.grad()``, as users write it) and
+into the float64 sums E and S. Both passes are hybridized (``static_alloc=True``, as in the
+original bug reports) unless asked not to be.
+
+With ``grad_req='add'`` MXNet's backward kernels write into the gradient with ``kAddTo``: the
+embedding backward, for one, adds each token's row straight into the running total, so a
+micro-step's inner terms are rounded at their own scale, which cancellation can make far larger
+than the micro-gradient. The native bound carries a kernel allowance of KERNEL_ALLOWANCE units
+of u at the tensor's scale for that (``bounds.ModeBound``); the largest need measured on the
+built-in cases was 0.94 (embed-attention's embedding at N = 2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from ..cases import LAYERNORM_EPS, Case, Layer
+from ..errors import AccumcheckError
+from ..faults import Fault, FaultInjector, round_to_bfloat16
+from .base import Backend, ParamAccumulation, Progress, RunResult
+
+KERNEL_ALLOWANCE = 4.0
+
+
+def _mx() -> Any:
+    # MXNet logs a line for every storage fallback unless told not to, before it is imported.
+    os.environ.setdefault("MXNET_STORAGE_FALLBACK_LOG_VERBOSE", "0")
+    os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
+    import mxnet
+
+    return mxnet
+
+
+def resolve_context(device: str) -> Any:
+    """An mx.Context for "cpu", "gpu", "cuda" or "cuda:N"/"gpu:N"; AccumcheckError if unavailable."""
+    mx = _mx()
+    if device == "cpu":
+        return mx.cpu()
+    kind, _, index = device.partition(":")
+    if kind not in ("gpu", "cuda") or (index and not index.isdigit()):
+        raise AccumcheckError(f"--device: unknown device {device!r}; use cpu, gpu, cuda or cuda:N")
+    gpus = mx.context.num_gpus()
+    if gpus == 0:
+        raise AccumcheckError(f"--device {device}: MXNet {mx.__version__} sees no GPU "
+                              "(mx.context.num_gpus() is 0); use --device cpu or a CUDA build of mxnet")
+    number = int(index or 0)
+    if number >= gpus:
+        raise AccumcheckError(f"--device {device}: only {gpus} GPU(s) present")
+    return mx.gpu(number)
+
+
+def _sanitize(name: str) -> str:
+    return name.replace(".", "__")
+
+
+def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any) -> Any:
+    """The case as a Gluon HybridBlock holding ``weights``; ``canonical`` maps names to Parameters."""
+    mx = _mx()
+    from mxnet import gluon
+
+    shapes = {p.name: p.shape for p in case.parameters()}
+
+    class CaseBlock(gluon.HybridBlock):
+        def __init__(self) -> None:
+            super().__init__(prefix="case_")
+            self.canonical: dict[str, Any] = {}
+            with self.name_scope():
+                for name, value in weights.items():
+                    param = self.params.get(_sanitize(name), shape=value.shape, dtype=dtype, init=mx.init.Zero())
+                    # Gluon passes a parameter to hybrid_forward under its attribute name.
+                    setattr(self, _sanitize(name), param)
+                    self.canonical[name] = param
+
+        def hybrid_forward(self, F: Any, x: Any, **params: Any) -> Any:
+            named = {name: params[_sanitize(name)] for name in self.canonical}
+            return _forward(F, case.layers, x, named, "", case, shapes)
+
+    block = CaseBlock()
+    block.initialize(ctx=ctx)
+    for name, param in block.canonical.items():
+        param.set_data(mx.nd.array(weights[name], ctx=ctx, dtype=dtype))
+    return block
+
+
+def _forward(F: Any, layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: str,
+             case: Case, shapes: dict[str, tuple[int, ...]]) -> Any:
+    # Widths come from the case: under hybridize the parameters are symbols without shapes.
+    def dense(x: Any, weight: str, bias: str) -> Any:
+        units = shapes[weight][0]
+        if bias not in params:
+            return F.FullyConnected(x, params[weight], num_hidden=units, no_bias=True, flatten=False)
+        return F.FullyConnected(x, params[weight], params[bias], num_hidden=units, flatten=False)
+
+    for layer in layers:
+        name, o = prefix + layer.name, layer.options
+        if layer.type == "embedding":
+            x = F.Embedding(x, params[f"{name}.weight"], input_dim=case.input.vocab, output_dim=o["dim"])
+        elif layer.type == "dense":
+            x = dense(x, f"{name}.weight", f"{name}.bias")
+        elif layer.type == "shared_dense":
+            outs = [dense(x * scale, f"{name}.weight", f"{name}.bias") for scale in o["scales"]]
+            x = outs[0]
+            for out in outs[1:]:
+                x = x + out
+        elif layer.type == "activation":
+            fn = o["fn"]
+            x = F.LeakyReLU(x, act_type="gelu") if fn == "gelu" else F.Activation(x, act_type=fn)
+        elif layer.type == "layernorm":
+            x = F.LayerNorm(x, params[f"{name}.gamma"], params[f"{name}.beta"], axis=-1, eps=LAYERNORM_EPS)
+        elif layer.type == "attention":
+            x = _attention(F, x, dense, name, o["heads"], o["out_proj"], shapes[f"{name}.q.weight"][0])
+        elif layer.type == "residual":
+            x = x + _forward(F, layer.body, x, params, prefix, case, shapes)
+        elif layer.type == "block":
+            x = _forward(F, layer.body, x, params, f"{name}.", case, shapes)
+        elif layer.type == "tied_output":
+            x = dense(x, f"{o['tie']}.weight", f"{name}.bias")
+    return x
+
+
+def _attention(F: Any, x: Any, dense: Any, name: str, heads: int, out_proj: bool, width: int) -> Any:
+    # Shapes are symbolic when hybridized: reshape with MXNet's special codes
+    # (0 keep, -1 infer, -3 merge two axes, -4 split one).
+    def project(p: str) -> Any:
+        y = dense(x, f"{name}.{p}.weight", f"{name}.{p}.bias")
+        return y.reshape((0, 0, heads, -1)).transpose((0, 2, 1, 3)).reshape((-3, 0, 0))
+
+    q, k, v = project("q"), project("k"), project("v")
+    scores = F.batch_dot(q, k, transpose_b=True) / math.sqrt(width // heads)
+    y = F.batch_dot(F.softmax(scores, axis=-1), v)
+    y = y.reshape((-4, -1, heads, 0, 0)).transpose((0, 2, 1, 3)).reshape((0, 0, -3))
+    if out_proj:
+        y = dense(y, f"{name}.o.weight", f"{name}.o.bias")
+    return y
+
+
+def case_loss(case: Case, logits: Any, labels: Any) -> Any:
+    """Softmax cross-entropy over every position, as torch.nn.functional.cross_entropy computes it."""
+    mx = _mx()
+    classes = case.num_classes
+    picked = mx.nd.pick(mx.nd.log_softmax(logits.reshape((-1, classes)), axis=-1), labels.reshape((-1,)), axis=-1)
+    return -(picked.mean() if case.loss_reduction == "mean" else picked.sum())
+
+
+class MXNetBackend(Backend):
+    framework_name = "mxnet"
+
+    def versions(self) -> dict[str, str]:
+        return {"mxnet": _mx().__version__}
+
+    def run(self, case: Case, accum_steps: int, device: str, fault: Fault | None = None,
+            oracle: bool = False, progress: Progress | None = None,
+            options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
+        mx = _mx()
+        ctx = resolve_context(device)
+        hybridize = (options or {}).get("hybridize", True)
+        weights = case.weights() if weights is None else weights
+        kinds = {p.name: p.kind for p in case.parameters()}
+        native, native_loss = _native_pass(case, weights, "float32", ctx, hybridize, accum_steps, fault, progress)
+        manual, exact, absum, manual_loss, logits = _manual_pass(case, weights, ctx, hybridize, accum_steps, progress)
+        settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize, "requested_device": device,
+                                    "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
+        oracle_grads = None
+        losses = {"mean_loss": native_loss, "manual_mean_loss": manual_loss}
+        if oracle:
+            oracle_grads, oracle_loss, settings["oracle"] = _oracle(case, weights, ctx, hybridize, accum_steps,
+                                                                     device, progress)
+            if oracle_loss is not None:
+                losses["oracle_mean_loss"] = oracle_loss
+        params = [ParamAccumulation(name=name, kind=kinds[name], native=native[name], manual=manual[name],
+                                    exact=exact[name], absum=absum[name],
+                                    oracle=None if oracle_grads is None else oracle_grads[name])
+                  for name in weights]
+        return RunResult(params=params, framework="mxnet", versions=self.versions(), device=str(ctx),
+                         param_dtype="float32", accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
+                         losses=losses, settings=settings, first_logits=logits)
+
+
+def _inputs(case: Case, step: int, ctx: Any, dtype: str) -> tuple[Any, Any]:
+    mx = _mx()
+    batch = case.batch(step)
+    # Embedding takes its indices as floats (exact below 2**24).
+    return mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype), mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
+
+
+def _prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool,
+              grad_req: dict[str, str]) -> Any:
+    block = build_block(case, weights, dtype, ctx)
+    for name, param in block.canonical.items():
+        param.grad_req = grad_req.get(name, "add")
+    if hybridize:
+        block.hybridize(static_alloc=True)
+    return block
+
+
+def _native_pass(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool,
+                 accum_steps: int, fault: Fault | None, progress: Progress | None,
+                 phase: str = "native: grad_req='add'") -> tuple[dict[str, np.ndarray], float]:
+    """grad_req='add', zeroed once, N micro-steps. A faulted parameter is accumulated by the
+    fault injector instead, from its exact micro-gradients (grad_req='write')."""
+    mx = _mx()
+    from mxnet import autograd
+
+    target = fault.param if fault is not None else None
+    block = _prepared(case, weights, dtype, ctx, hybridize, {target: "write"} if target else {})
+    block.collect_params().zero_grad()
+    injector = None
+    if fault is not None:
+        injector = FaultInjector(fault, accum_steps,
+                                 lambda t: mx.nd.array(round_to_bfloat16(t.asnumpy()), ctx=ctx, dtype=t.dtype))
+    total = None
+    loss_sum = 0.0
+    for step in range(accum_steps):
+        inputs, labels = _inputs(case, step, ctx, dtype)
+        with autograd.record():
+            loss = case_loss(case, block(inputs), labels)
+        loss.backward()
+        loss_sum += float(loss.asscalar())
+        if injector is not None:
+            grad = block.canonical[target].grad().copy()
+            contribution = injector.contribution(step, grad, total)
+            total = contribution.copy() if total is None else total + contribution
+            replaced = injector.after_add(step, total)
+            total = total if replaced is None else replaced
+        if progress is not None:
+            progress(phase, step + 1, accum_steps)
+    grads = {name: p.grad().asnumpy() for name, p in block.canonical.items()}
+    if target is not None:
+        grads[target] = total.asnumpy()
+    return grads, loss_sum / accum_steps
+
+
+def _manual_pass(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,
+                 progress: Progress | None) -> tuple[dict, dict, dict, float, np.ndarray]:
+    """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64)."""
+    mx = _mx()
+    from mxnet import autograd
+
+    block = _prepared(case, weights, "float32", ctx, hybridize, {name: "write" for name in weights})
+    acc = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float32") for name, w in weights.items()}
+    exact = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float64") for name, w in weights.items()}
+    absum = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float64") for name, w in weights.items()}
+    loss_sum = 0.0
+    logits = None
+    for step in range(accum_steps):
+        inputs, labels = _inputs(case, step, ctx, "float32")
+        with autograd.record():
+            out = block(inputs)
+            loss = case_loss(case, out, labels)
+        loss.backward()
+        if step == 0:
+            logits = out.asnumpy()
+        loss_sum += float(loss.asscalar())
+        for name, param in block.canonical.items():
+            grad = param.grad()
+            acc[name][:] += grad
+            wide = grad.astype("float64")
+            exact[name][:] += wide
+            absum[name][:] += mx.nd.abs(wide)
+        if progress is not None:
+            progress("manual: grad_req='write' + buffer", step + 1, accum_steps)
+    as_numpy = lambda d: {k: v.asnumpy() for k, v in d.items()}  # noqa: E731
+    return as_numpy(acc), as_numpy(exact), as_numpy(absum), loss_sum / accum_steps, logits
+
+
+def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,
+            device: str, progress: Progress | None) -> tuple[dict | None, float | None, str]:
+    """The whole model in float64 with grad_req='add'; PyTorch's float64 model where MXNet lacks a
+    float64 kernel for one of the case's operators."""
+    mx = _mx()
+    try:
+        grads, loss = _native_pass(case, weights, "float64", ctx, hybridize, accum_steps, None, progress,
+                                   phase="float64 oracle")
+        return grads, loss, "mxnet float64"
+    except mx.base.MXNetError as exc:
+        reason = str(exc).strip().splitlines()[0][:160]
+    try:
+        from .torch_backend import float64_oracle
+    except ImportError:
+        return None, None, f"none: MXNet float64 failed ({reason}) and torch is not installed"
+    grads, loss = float64_oracle(case, weights, accum_steps, "cpu" if device == "cpu" else "cuda", progress)
+    return grads, loss, f"torch float64 (MXNet float64 failed: {reason})"
+
+
+BACKEND_CLASS = MXNetBackend

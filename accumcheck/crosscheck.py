@@ -1,0 +1,162 @@
+"""Cross-framework agreement: the same case, weights and data in two frameworks.
+
+The frameworks compute each micro-gradient with different kernels, so their float32 manual sums
+B_a and B_b differ by more than accumulation round-off. Each framework also runs the whole model
+in float64 (O_a, O_b), which measures its own float32 error e_f = |B_f - O_f| (kernels and
+accumulation together). If the two compute the same function of the same weights and data,
+
+    |B_a - B_b| <= e_a + e_b + |O_a - O_b|,   and   |O_a - O_b| <= c * u32 * (S + S_rms,tensor + S_rms,model)
+
+where the second term allows the frameworks' float64 kernels to differ at float32 level (MXNet's
+float64 GELU uses a float32-accurate erf, 3.6e-7 from the exact one). c = FLOAT64_KERNEL_ALLOWANCE,
+four times the largest value measured on the built-in cases. A tensor past that bound was computed
+from a different function, weights or data: it "disagrees".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backends.base import RunResult
+from .bounds import UNIT_ROUNDOFF
+from .report import Report
+
+FLOAT64_KERNEL_ALLOWANCE = 16.0
+CROSS_VERDICTS = ("identical", "agree", "disagree", "non-finite")
+
+
+@dataclass
+class Agreement:
+    """One tensor's manual accumulation in framework ``a`` against framework ``b``."""
+
+    name: str
+    kind: str
+    shape: list[int]
+    verdict: str
+    max_abs_diff: float
+    max_abs_diff_index: list[int]
+    max_ulps: float
+    ratio: float  # worst |B_a - B_b| / bound
+    worst_index: list[int]
+    bound_at_worst: float
+    float32_err_a: float  # max |B_a - O_a|
+    float32_err_b: float
+
+    @property
+    def flagged(self) -> bool:
+        return self.verdict in ("disagree", "non-finite")
+
+
+@dataclass
+class CrossReport:
+    """Reports of several frameworks on one case, and how their manual sums agree."""
+
+    frameworks: list[str]
+    reports: list[Report]
+    agreement: list[Agreement]
+    forward: dict[str, Any]
+    allowance: float = FLOAT64_KERNEL_ALLOWANCE
+    kind: str = "cross"
+    schema_version: int = 1
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(r.exit_code for r in self.reports) or any(a.flagged for a in self.agreement) else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reports"] = [r.to_dict() for r in self.reports]
+        return _jsonable(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> "CrossReport":
+        data = dict(data)
+        reports = [Report.from_dict(r, source) for r in data.pop("reports")]
+        agreement = [Agreement(**{k: (_FLOATS.get(v, v) if isinstance(v, str) and k != "name" and k != "kind"
+                                      and k != "verdict" else v) for k, v in a.items()})
+                     for a in data.pop("agreement")]
+        return cls(reports=reports, agreement=agreement, **data)
+
+
+_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def ordered_bits(values: np.ndarray) -> np.ndarray:
+    """float32 bit patterns mapped onto a monotonic integer line (for ulp distances)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, np.int64(-(2**31)) - bits, bits)
+
+
+def agreement(run_a: RunResult, run_b: RunResult) -> list[Agreement]:
+    """Compare the manual sums of two runs of the same case (both run with the float64 oracle)."""
+    u = UNIT_ROUNDOFF["float32"]
+    b_params = {p.name: p for p in run_b.params}
+    scales = np.concatenate([np.maximum(p.absum, b_params[p.name].absum).ravel() for p in run_a.params])
+    model_rms = float(np.sqrt(np.mean(scales**2))) if scales.size else 0.0
+    results = []
+    for pa in run_a.params:
+        pb = b_params[pa.name]
+        if pa.oracle is None or pb.oracle is None:
+            raise ValueError("agreement needs both runs made with oracle=True")
+        ba, bb = pa.manual.astype(np.float64), pb.manual.astype(np.float64)
+        shape = list(pa.manual.shape)
+        diff = np.abs(ba - bb)
+        s = np.maximum(pa.absum, pb.absum)
+        err_a, err_b = np.abs(ba - pa.oracle), np.abs(bb - pb.oracle)
+        floor = FLOAT64_KERNEL_ALLOWANCE * u * (s + float(np.sqrt(np.mean(s**2))) + model_rms)
+        bound = err_a + err_b + np.maximum(floor, np.finfo(np.float64).tiny)
+        ratio = diff / bound
+        worst = int(np.argmax(ratio)) if ratio.size else -1
+        biggest = int(np.argmax(diff)) if diff.size else -1
+        if not (np.isfinite(ba).all() and np.isfinite(bb).all()):
+            verdict = "non-finite"
+        elif not diff.any():
+            verdict = "identical"
+        else:
+            verdict = "agree" if ratio.max() <= 1.0 else "disagree"
+        results.append(Agreement(
+            name=pa.name, kind=pa.kind, shape=shape, verdict=verdict,
+            max_abs_diff=float(diff.max(initial=0.0)), max_abs_diff_index=_index(biggest, shape),
+            max_ulps=float(np.abs(ordered_bits(pa.manual) - ordered_bits(pb.manual)).max(initial=0)),
+            ratio=float(ratio.max(initial=0.0)), worst_index=_index(worst, shape),
+            bound_at_worst=float(bound.reshape(-1)[worst]) if worst >= 0 else 0.0,
+            float32_err_a=float(err_a.max(initial=0.0)), float32_err_b=float(err_b.max(initial=0.0))))
+    return results
+
+
+def forward_agreement(run_a: RunResult, run_b: RunResult) -> dict[str, Any]:
+    """How closely the frameworks' logits for micro-batch 0 agree."""
+    la, lb = run_a.first_logits, run_b.first_logits
+    if la is None or lb is None:
+        return {}
+    diff = np.abs(la.astype(np.float64) - lb)
+    scale = float(np.abs(la).max(initial=0.0))
+    biggest = int(np.argmax(diff))
+    return {"max_abs_diff": float(diff.max()), "max_abs_logit": scale,
+            "relative": float(diff.max() / scale) if scale else 0.0,
+            "in_float32_units": float(diff.max() / (scale * UNIT_ROUNDOFF["float32"])) if scale else 0.0,
+            "index": _index(biggest, list(la.shape))}
+
+
+def _index(flat: int, shape: list[int]) -> list[int]:
+    if flat < 0:
+        return []
+    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
+
+
+__all__ = ["Agreement", "CrossReport", "agreement", "forward_agreement"]
