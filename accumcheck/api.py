@@ -95,15 +95,18 @@ def _prepare(case: str | Path | Case, accum_steps: int | None, seed: int | None,
     return the_case, steps, fault
 
 
-def build_report(case: Case, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
-                 seconds: float) -> Report:
-    """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report."""
+def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
+                 seconds: float, model: str = "") -> Report:
+    """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report. ``case`` is
+    None for a user's own model, named by ``model``."""
     from . import __version__
 
     native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_kernel_allowance)
     manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
     tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum,
                               native_bound, manual_bound, p.oracle) for p in run.params]
+    if case is None:
+        case = Case(model or "model", "", -1, accum_steps, None, "", 0.0, 0.0, (), source=f"<user model {model}>")
     return Report(
         case=case.name, case_source=case.source, case_fingerprint=case.fingerprint(), case_toml=case.text,
         framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,

@@ -431,3 +431,15 @@ def resolve_case(case: "str | Path | Case") -> Case:
     if text.endswith(".toml") or "/" in text or Path(text).is_file():
         return load_case(text)
     return builtin_case(text)
+
+
+def infer_kind(name: str, ndim: int) -> str:
+    """The kind of a user model's parameter, from its name: embedding, norm, bias or weight."""
+    lowered = name.lower()
+    if "embed" in lowered and ndim == 2:
+        return "embedding"
+    if any(word in lowered for word in ("norm", "gamma", "beta", "ln_", "bn_")) and ndim == 1:
+        return "norm"
+    if lowered.endswith("bias") or ndim == 1:
+        return "bias"
+    return "weight"

@@ -15,8 +15,10 @@ from typing import Callable, Sequence
 
 from .errors import AccumcheckError
 from .faults import FAULT_KINDS
-from .options import integer, positive_int
-from .render import FORMATS, render, render_table, summary_line
+from .backends import FRAMEWORKS
+from .options import choice_list, integer, positive_int
+from .render import FORMATS, cross_summary, render, render_console, summary_line
+from .report import Report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser("compare", help="run a case in native and manual mode and judge every tensor")
-    run.add_argument("--framework", default="torch", metavar="NAME", help="torch (default: %(default)s)")
+    run.add_argument("--framework", default="torch", type=choice_list(FRAMEWORKS), metavar="NAME[,NAME]",
+                     help=f"{' or '.join(FRAMEWORKS)}; two, comma-separated, to compare them too (default: %(default)s)")
     run.add_argument("--device", default="cpu", metavar="DEV", help="cpu, gpu, cuda or cuda:N (default: %(default)s)")
     run.add_argument("--case", default="embed-attention", metavar="NAME|PATH",
                      help="a built-in case (see `accumcheck cases`) or a case .toml file (default: %(default)s)")
@@ -44,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run the whole model in float64 (default: off)")
     run.add_argument("--inject", metavar="KIND[:PARAM]",
                      help=f"perturb the native accumulation: {', '.join(FAULT_KINDS)}")
+    run.add_argument("--hybridize", action=argparse.BooleanOptionalAction, default=True,
+                     help="MXNet: hybridize(static_alloc=True) the Gluon block (default: on)")
     _add_output_options(run)
 
     sub.add_parser("cases", help="list the built-in cases")
@@ -105,7 +110,7 @@ def _emit(report, args: argparse.Namespace) -> None:
 
     if args.output is None:
         if args.format == "table":
-            render_table(report, _console())
+            render_console(report, _console())
         else:
             sys.stdout.write(render(report, args.format))
         return
@@ -118,18 +123,24 @@ def _emit(report, args: argparse.Namespace) -> None:
             handle.write(text)
         raise AccumcheckError(f"--output {args.output}: cannot write ({exc.strerror}); "
                               f"the report was saved to {rescue} instead") from None
-    print(summary_line(report))
+    print(summary_line(report) if isinstance(report, Report) else cross_summary(report))
     print(f"report written to {args.output}")
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .api import compare
+    from .api import compare, compare_frameworks
 
     _check_output(args.output)
+    frameworks = args.framework if isinstance(args.framework, list) else [args.framework]
     with _LazyProgress() as progress:
-        report = compare(case=args.case, framework=args.framework, accum_steps=args.accum_steps,
-                         device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
-                         progress=progress)
+        if len(set(frameworks)) > 1:
+            report = compare_frameworks(case=args.case, frameworks=frameworks, accum_steps=args.accum_steps,
+                                        device=args.device, seed=args.seed, inject=args.inject,
+                                        progress=progress, hybridize=args.hybridize)
+        else:
+            report = compare(case=args.case, framework=frameworks[0], accum_steps=args.accum_steps,
+                             device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
+                             progress=progress, hybridize=args.hybridize)
     _emit(report, args)
     return report.exit_code
 

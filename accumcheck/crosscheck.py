@@ -16,6 +16,7 @@ from a different function, weights or data: it "disagrees".
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,17 @@ class CrossReport:
         data = dataclasses.asdict(self)
         data["reports"] = [r.to_dict() for r in self.reports]
         return _jsonable(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+
+    @property
+    def flagged(self) -> list[Agreement]:
+        return [a for a in self.agreement if a.flagged]
+
+    def reproduce_command(self) -> str:
+        first = self.reports[0].reproduce_command()
+        return first.replace(f"--framework {self.reports[0].framework}", f"--framework {','.join(self.frameworks)}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> "CrossReport":

@@ -12,7 +12,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .report import Report, TensorResult
+from .crosscheck import CrossReport
+from .report import KIND_ORDER, Report, TensorResult
 
 FORMATS = ("table", "json", "markdown", "csv")
 _STYLE = {"identical": "green", "round-off": "cyan", "diverged": "bold red", "non-finite": "bold magenta"}
@@ -173,8 +174,83 @@ def csv_text(report: Report) -> str:
     return buffer.getvalue()
 
 
-def render(report: Report, fmt: str) -> str:
-    """The report as text in ``fmt`` (one of FORMATS)."""
+def cross_summary(cross: CrossReport) -> str:
+    """One line: per-framework verdicts and whether the frameworks agree."""
+    parts = [f"{r.framework}: {'FLAGGED ' + str(len(r.flagged)) if r.flagged else 'OK'}" for r in cross.reports]
+    disagree = cross.flagged
+    names = " vs ".join(cross.frameworks)
+    if disagree:
+        listed = ", ".join(f"{a.name} ({a.kind}, {num(a.ratio)}x bound)" for a in
+                           sorted(disagree, key=lambda a: KIND_ORDER.index(a.kind) if a.kind in KIND_ORDER else 9))
+        agree = f"{names}: DISAGREE on {len(disagree)} of {len(cross.agreement)} tensors: {listed}"
+    else:
+        agree = f"{names}: all {len(cross.agreement)} tensors agree within the bound"
+    return "; ".join(parts) + "; " + agree
+
+
+def forward_line(cross: CrossReport) -> str:
+    f = cross.forward
+    if not f:
+        return "forward: not compared"
+    return (f"forward (logits of micro-batch 0): max |difference| {num(f['max_abs_diff'])} at {_index(f['index'])}, "
+            f"{num(f['relative'])} of max |logit| {num(f['max_abs_logit'])} = {num(f['in_float32_units'])} float32 "
+            "unit round-offs")
+
+
+def agreement_table(cross: CrossReport) -> Table:
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False,
+                  title=f"manual accumulation: {' vs '.join(cross.frameworks)}")
+    for title in ("tensor", "kind", "verdict", "ratio", "max|diff|", "ulps", f"fp32 err {cross.frameworks[0]}",
+                  f"fp32 err {cross.frameworks[1]}"):
+        table.add_column(title, justify="left" if title in ("tensor", "kind", "verdict") else "right",
+                         no_wrap=title in ("tensor", "kind", "verdict"))
+    for a in cross.agreement:
+        style = "bold red" if a.flagged else ("green" if a.verdict == "identical" else "cyan")
+        table.add_row(a.name, a.kind, Text(a.verdict, style=style), num(a.ratio), num(a.max_abs_diff),
+                      num(a.max_ulps), num(a.float32_err_a), num(a.float32_err_b))
+    return table
+
+
+def render_cross_table(cross: CrossReport, console: Console) -> None:
+    for report in cross.reports:
+        render_table(report, console)
+        console.print()
+    console.print(Text(f"bound: |B_a - B_b| <= e_a + e_b + {cross.allowance:g}u * (S + S_rms,tensor + S_rms,model), "
+                       "e_f = |B_f - O_f| each framework's float32 error against its own float64 run", style="dim"))
+    console.print(agreement_table(cross))
+    console.print(Text(forward_line(cross)))
+    console.print(Text(f"reproduce: {cross.reproduce_command()}", style="dim"))
+    console.print(Group(Text(""), Text(cross_summary(cross), style="bold red" if cross.exit_code else "bold green")))
+
+
+def cross_markdown(cross: CrossReport) -> str:
+    out = [markdown(r) for r in cross.reports]
+    out.append(f"## {' vs '.join(cross.frameworks)}: manual accumulations")
+    out.append("")
+    out.append(f"| tensor | kind | verdict | ratio to bound | max abs diff | ulps | float32 error "
+               f"{cross.frameworks[0]} | float32 error {cross.frameworks[1]} |")
+    out.append("|---|---|---|---:|---:|---:|---:|---:|")
+    for a in cross.agreement:
+        verdict = f"**{a.verdict}**" if a.flagged else a.verdict
+        out.append(f"| `{a.name}` | {a.kind} | {verdict} | {num(a.ratio)} | {num(a.max_abs_diff)} | {num(a.max_ulps)} "
+                   f"| {num(a.float32_err_a)} | {num(a.float32_err_b)} |")
+    out += ["", f"- {forward_line(cross)}", "", f"**{cross_summary(cross)}**", ""]
+    return "\n".join(out)
+
+
+def render(report: "Report | CrossReport", fmt: str) -> str:
+    """The report (or cross-framework report) as text in ``fmt`` (one of FORMATS)."""
+    if isinstance(report, CrossReport):
+        if fmt == "json":
+            return report.to_json()
+        if fmt == "markdown":
+            return cross_markdown(report)
+        if fmt == "csv":  # every framework's tensor rows; the agreement lives in json and markdown
+            return "".join(csv_text(r) if i == 0 else csv_text(r).split("\n", 1)[1]
+                           for i, r in enumerate(report.reports))
+        console = Console(file=io.StringIO(), width=160, color_system=None, force_terminal=False)
+        render_cross_table(report, console)
+        return console.file.getvalue()
     if fmt == "json":
         return report.to_json()
     if fmt == "markdown":
@@ -182,3 +258,11 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "csv":
         return csv_text(report)
     return table_text(report)
+
+
+def render_console(report: "Report | CrossReport", console: Console) -> None:
+    """Draw the table format on a live console (colours where it has them)."""
+    if isinstance(report, CrossReport):
+        render_cross_table(report, console)
+    else:
+        render_table(report, console)

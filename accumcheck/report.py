@@ -13,9 +13,12 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AccumcheckError
+
+if TYPE_CHECKING:
+    from .crosscheck import CrossReport
 
 SCHEMA_VERSION = 1
 VERDICTS = ("identical", "round-off", "diverged", "non-finite")
@@ -119,6 +122,8 @@ class Report:
                  f"--case {self.case_source_arg}", f"--accum-steps {self.accum_steps}", f"--seed {self.seed}"]
         if self.oracle:
             parts.append("--oracle")
+        if self.settings.get("hybridize") is False:
+            parts.append("--no-hybridize")
         if self.inject:
             parts.append(f"--inject {self.inject.split('@')[0]}")
         return " ".join(parts)
@@ -178,8 +183,9 @@ def _decode(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def load_report(path: str | Path) -> Report:
-    """Read a report written with ``--format json``. Raises AccumcheckError when it cannot."""
+def load_report(path: str | Path) -> "Report | CrossReport":
+    """Read a report written with ``--format json`` (one framework's Report, or a CrossReport of
+    several). Raises AccumcheckError when it cannot."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -190,6 +196,13 @@ def load_report(path: str | Path) -> Report:
                               "pass a report written with --format json") from None
     if not isinstance(data, dict):
         raise AccumcheckError(f"{path}: not an accumcheck report (top level is not an object)")
+    if data.get("kind") == "cross":
+        from .crosscheck import CrossReport
+
+        try:
+            return CrossReport.from_dict(data, str(path))
+        except (TypeError, KeyError) as exc:
+            raise AccumcheckError(f"{path}: not an accumcheck cross-framework report ({exc})") from None
     return Report.from_dict(data, str(path))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -160,13 +160,16 @@ class MXNetBackend(Backend):
     def run(self, case: Case, accum_steps: int, device: str, fault: Fault | None = None,
             oracle: bool = False, progress: Progress | None = None,
             options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
-        mx = _mx()
         ctx = resolve_context(device)
         hybridize = (options or {}).get("hybridize", True)
         weights = case.weights() if weights is None else weights
         kinds = {p.name: p.kind for p in case.parameters()}
-        native, native_loss = _native_pass(case, weights, "float32", ctx, hybridize, accum_steps, fault, progress)
-        manual, exact, absum, manual_loss, logits = _manual_pass(case, weights, ctx, hybridize, accum_steps, progress)
+        block = _prepared(case, weights, "float32", ctx, hybridize)
+        native, native_loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float32"), accum_steps,
+                                             ctx, fault, progress)
+        block = _prepared(case, weights, "float32", ctx, hybridize)
+        manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, _case_step(case, block, ctx, "float32"),
+                                                                accum_steps, ctx, progress)
         settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize, "requested_device": device,
                                     "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
         oracle_grads = None
@@ -185,91 +188,108 @@ class MXNetBackend(Backend):
                          losses=losses, settings=settings, first_logits=logits)
 
 
-def _inputs(case: Case, step: int, ctx: Any, dtype: str) -> tuple[Any, Any]:
+# A step function runs one micro-step's forward under autograd.record() and returns (loss, output).
+StepFn = Callable[[int], tuple[Any, Any]]
+
+
+def _case_step(case: Case, block: Any, ctx: Any, dtype: str) -> StepFn:
     mx = _mx()
-    batch = case.batch(step)
-    # Embedding takes its indices as floats (exact below 2**24).
-    return mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype), mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
+
+    def step(index: int) -> tuple[Any, Any]:
+        batch = case.batch(index)
+        # Embedding takes its indices as floats (exact below 2**24).
+        inputs = mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype)
+        labels = mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
+        out = block(inputs)
+        return case_loss(case, out, labels), out
+
+    return step
 
 
-def _prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool,
-              grad_req: dict[str, str]) -> Any:
+def _prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool) -> Any:
     block = build_block(case, weights, dtype, ctx)
-    for name, param in block.canonical.items():
-        param.grad_req = grad_req.get(name, "add")
     if hybridize:
         block.hybridize(static_alloc=True)
     return block
 
 
-def _native_pass(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool,
-                 accum_steps: int, fault: Fault | None, progress: Progress | None,
-                 phase: str = "native: grad_req='add'") -> tuple[dict[str, np.ndarray], float]:
-    """grad_req='add', zeroed once, N micro-steps. A faulted parameter is accumulated by the
-    fault injector instead, from its exact micro-gradients (grad_req='write')."""
+def _set_grad_req(params: dict[str, Any], req: dict[str, str], default: str, refresh: Callable[[], None] | None) -> None:
+    for name, param in params.items():
+        param.grad_req = req.get(name, default)
+    if refresh is not None:
+        refresh()
+
+
+def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any, fault: Fault | None,
+                progress: Progress | None, phase: str = "native: grad_req='add'",
+                refresh: Callable[[], None] | None = None) -> tuple[dict[str, np.ndarray], float, Any]:
+    """grad_req='add', zeroed once, N micro-steps. Returns the gradients, the mean loss and the
+    output of micro-step 0. A faulted parameter is accumulated by the fault injector instead,
+    from its exact micro-gradients (grad_req='write')."""
     mx = _mx()
     from mxnet import autograd
 
     target = fault.param if fault is not None else None
-    block = _prepared(case, weights, dtype, ctx, hybridize, {target: "write"} if target else {})
-    block.collect_params().zero_grad()
+    _set_grad_req(params, {target: "write"} if target else {}, "add", refresh)
+    for param in params.values():
+        param.zero_grad()
     injector = None
     if fault is not None:
         injector = FaultInjector(fault, accum_steps,
                                  lambda t: mx.nd.array(round_to_bfloat16(t.asnumpy()), ctx=ctx, dtype=t.dtype))
     total = None
-    loss_sum = 0.0
-    for step in range(accum_steps):
-        inputs, labels = _inputs(case, step, ctx, dtype)
+    loss_sum = None
+    first = None
+    for index in range(accum_steps):
         with autograd.record():
-            loss = case_loss(case, block(inputs), labels)
+            loss, out = step(index)
         loss.backward()
-        loss_sum += float(loss.asscalar())
+        loss_sum = loss.mean() if loss_sum is None else loss_sum + loss.mean()
+        first = out if index == 0 else first
         if injector is not None:
-            grad = block.canonical[target].grad().copy()
-            contribution = injector.contribution(step, grad, total)
+            grad = params[target].grad().copy()
+            contribution = injector.contribution(index, grad, total)
             total = contribution.copy() if total is None else total + contribution
-            replaced = injector.after_add(step, total)
+            replaced = injector.after_add(index, total)
             total = total if replaced is None else replaced
         if progress is not None:
-            progress(phase, step + 1, accum_steps)
-    grads = {name: p.grad().asnumpy() for name, p in block.canonical.items()}
+            progress(phase, index + 1, accum_steps)
+    grads = {name: p.grad().asnumpy() for name, p in params.items()}
     if target is not None:
         grads[target] = total.asnumpy()
-    return grads, loss_sum / accum_steps
+    return grads, float(loss_sum.asscalar()) / accum_steps, first
 
 
-def _manual_pass(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,
-                 progress: Progress | None) -> tuple[dict, dict, dict, float, np.ndarray]:
-    """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64)."""
+def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any, progress: Progress | None,
+                refresh: Callable[[], None] | None = None) -> tuple[dict, dict, dict, float, np.ndarray]:
+    """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64).
+    Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy)."""
     mx = _mx()
     from mxnet import autograd
 
-    block = _prepared(case, weights, "float32", ctx, hybridize, {name: "write" for name in weights})
-    acc = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float32") for name, w in weights.items()}
-    exact = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float64") for name, w in weights.items()}
-    absum = {name: mx.nd.zeros(w.shape, ctx=ctx, dtype="float64") for name, w in weights.items()}
-    loss_sum = 0.0
-    logits = None
-    for step in range(accum_steps):
-        inputs, labels = _inputs(case, step, ctx, "float32")
+    _set_grad_req(params, {}, "write", refresh)
+    acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=p.dtype) for name, p in params.items()}
+    exact = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
+    absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
+    loss_sum = None
+    first = None
+    for index in range(accum_steps):
         with autograd.record():
-            out = block(inputs)
-            loss = case_loss(case, out, labels)
+            loss, out = step(index)
         loss.backward()
-        if step == 0:
-            logits = out.asnumpy()
-        loss_sum += float(loss.asscalar())
-        for name, param in block.canonical.items():
+        loss_sum = loss.mean() if loss_sum is None else loss_sum + loss.mean()
+        first = out if index == 0 else first
+        for name, param in params.items():
             grad = param.grad()
             acc[name][:] += grad
             wide = grad.astype("float64")
             exact[name][:] += wide
             absum[name][:] += mx.nd.abs(wide)
         if progress is not None:
-            progress("manual: grad_req='write' + buffer", step + 1, accum_steps)
+            progress("manual: grad_req='write' + buffer", index + 1, accum_steps)
     as_numpy = lambda d: {k: v.asnumpy() for k, v in d.items()}  # noqa: E731
-    return as_numpy(acc), as_numpy(exact), as_numpy(absum), loss_sum / accum_steps, logits
+    logits = first.asnumpy() if hasattr(first, "asnumpy") else None
+    return as_numpy(acc), as_numpy(exact), as_numpy(absum), float(loss_sum.asscalar()) / accum_steps, logits
 
 
 def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,
@@ -278,8 +298,9 @@ def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: boo
     float64 kernel for one of the case's operators."""
     mx = _mx()
     try:
-        grads, loss = _native_pass(case, weights, "float64", ctx, hybridize, accum_steps, None, progress,
-                                   phase="float64 oracle")
+        block = _prepared(case, weights, "float64", ctx, hybridize)
+        grads, loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float64"), accum_steps, ctx,
+                                     None, progress, phase="float64 oracle")
         return grads, loss, "mxnet float64"
     except mx.base.MXNetError as exc:
         reason = str(exc).strip().splitlines()[0][:160]
