@@ -197,6 +197,40 @@ def verdict(value: float, target: float, at_most: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+# ----------------------------------------------------------------------------- (d) MXNet
+
+
+def bench_mxnet(steps: int, reps: int) -> dict | None:
+    """compare(framework="mxnet") over one plain grad_req='add' accumulation loop (hybridized).
+    MXNet needs two passes (add, then write + buffer), so 2 is the floor."""
+    try:
+        import mxnet as mx
+        from mxnet import autograd
+    except ImportError:
+        return None
+    from accumcheck.backends.mxnet_backend import _case_step, _prepared
+
+    case = resolve_case(CASE)
+
+    def plain() -> None:
+        block = _prepared(case, case.weights(), "float32", mx.cpu(), True)
+        for p in block.canonical.values():
+            p.grad_req = "add"
+        step = _case_step(case, block, mx.cpu(), "float32")
+        for index in range(steps):
+            with autograd.record():
+                loss, _ = step(index)
+            loss.backward()
+        [p.grad().asnumpy() for p in block.canonical.values()]
+
+    t = medians({
+        "compare": lambda: accumcheck.compare(case=CASE, framework="mxnet", accum_steps=steps),
+        "plain": plain,
+    }, reps)
+    return {"steps": steps, "reps": reps, "mxnet": mx.__version__, "compare_s": t["compare"],
+            "plain_s": t["plain"], "ratio": t["compare"] / t["plain"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run (smaller N and tensor)")
@@ -214,6 +248,7 @@ def main() -> int:
     phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 7))
     phases["b"], mem = timed_value(lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
     phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
+    phases["d"], mxb = timed_value(lambda: bench_mxnet(steps=8 if q else 32, reps=3 if q else 7))
 
     rows = [
         ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}", over["ratio"], "<= 1.2",
@@ -229,6 +264,11 @@ def main() -> int:
         rows.append(("(c) comparator", f"compare_tensor / assert_close, {comp['numel'] / 1e6:g}M, A {'!=' if label == 'differ' else '=='} B",
                      c["ratio"], ">= 5x", verdict(c["ratio"], 5.0, False),
                      f"{c['ours_meps']:.0f} vs {c['assert_close_meps']:.0f} Melem/s, median of {comp['reps']}"))
+    if mxb is not None:
+        rows.append(("(d) mxnet", f"compare / grad_req='add' loop, {CASE}, N={mxb['steps']}", mxb["ratio"], "<= 2.2",
+                     verdict(mxb["ratio"], 2.2, True),
+                     f"{mxb['compare_s'] * 1e3:.0f} ms / {mxb['plain_s'] * 1e3:.0f} ms, mxnet {mxb['mxnet']}, "
+                     f"median of {mxb['reps']}"))
     print()
     print(f"{'figure':<15} {'measures':<50} {'ratio':>7}  {'target':<8} {'':<4}  detail")
     for name, what, ratio, target, ok, detail in rows:
@@ -242,10 +282,10 @@ def main() -> int:
           f"assert_close raised: {comp['differ']['assert_close_raised']}; "
           f"A == B: verdict {comp['identical_verdict']}, assert_close raised: {comp['identical']['assert_close_raised']}")
     elapsed = time.perf_counter() - started
-    print(f"total {elapsed:.0f} s (a {phases['a']:.0f} s, b {phases['b']:.0f} s, c {phases['c']:.0f} s)")
+    print(f"total {elapsed:.0f} s (a {phases['a']:.0f} s, b {phases['b']:.0f} s, c {phases['c']:.0f} s, d {phases['d']:.0f} s)")
 
     if args.json:
-        figures = {"machine": info, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp,
+        figures = {"machine": info, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp, "mxnet": mxb,
                    "targets": {"overhead": 1.2, "memory": 1.05, "comparator": 5.0}}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -53,7 +53,7 @@ def test_cases_lists_the_builtins():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["compare", "--framework", "jax"], "unknown framework 'jax'; choose one of torch"),
+    (["compare", "--framework", "jax"], "argument --framework: 'jax' is not one of torch, mxnet"),
     (["compare", "--device", "tpu"], "unknown device 'tpu'"),
     (["compare", "--case", "nope"], "unknown case 'nope'; built-in cases:"),
     (["compare", "--inject", "explode"], "unknown fault 'explode'; choose one of drop-step"),

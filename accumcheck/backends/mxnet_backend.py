@@ -26,6 +26,7 @@ import numpy as np
 from ..cases import LAYERNORM_EPS, Case, Layer
 from ..errors import AccumcheckError
 from ..faults import Fault, FaultInjector, round_to_bfloat16
+from ..kernels import add_step
 from .base import Backend, ParamAccumulation, Progress, RunResult
 
 KERNEL_ALLOWANCE = 4.0
@@ -268,28 +269,53 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     from mxnet import autograd
 
     _set_grad_req(params, {}, "write", refresh)
-    acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=p.dtype) for name, p in params.items()}
-    exact = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
-    absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
+    # On the CPU each gradient is added by one compiled pass into numpy buffers (MXNet's
+    # elementwise operators and concat are slow there); on a GPU the adds stay on the device.
+    # Element by element both are acc[name][:] += p.grad().
+    on_cpu = ctx.device_type == "cpu"
+    if on_cpu:
+        acc = {name: np.zeros(p.shape, np.dtype(p.dtype)) for name, p in params.items()}
+        exact = {name: np.zeros(p.shape, np.float64) for name, p in params.items()}
+        absum = {name: np.zeros(p.shape, np.float64) for name, p in params.items()}
+    else:
+        acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=p.dtype) for name, p in params.items()}
+        exact = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
+        absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
     loss_sum = None
     first = None
+    pending: dict[str, Any] = {}
     for index in range(accum_steps):
         with autograd.record():
             loss, out = step(index)
         loss.backward()
         loss_sum = loss.mean() if loss_sum is None else loss_sum + loss.mean()
         first = out if index == 0 else first
-        for name, param in params.items():
-            grad = param.grad()
-            acc[name][:] += grad
-            wide = grad.astype("float64")
-            exact[name][:] += wide
-            absum[name][:] += mx.nd.abs(wide)
+        if on_cpu:
+            # Copy on MXNet's engine, read on the host one micro-step later: the host waits for a
+            # gradient only while the engine already runs the next micro-step.
+            _add_on_host(pending, acc, exact, absum)
+            pending = {name: param.grad().copy() for name, param in params.items()}
+        else:
+            for name, param in params.items():
+                grad = param.grad()
+                acc[name][:] += grad
+                wide = grad.astype("float64")
+                exact[name][:] += wide
+                absum[name][:] += mx.nd.abs(wide)
         if progress is not None:
             progress("manual: grad_req='write' + buffer", index + 1, accum_steps)
-    as_numpy = lambda d: {k: v.asnumpy() for k, v in d.items()}  # noqa: E731
+    _add_on_host(pending, acc, exact, absum)
+
+    def split(values: dict[str, Any]) -> dict[str, np.ndarray]:
+        return values if on_cpu else {name: v.asnumpy() for name, v in values.items()}
+
     logits = first.asnumpy() if hasattr(first, "asnumpy") else None
-    return as_numpy(acc), as_numpy(exact), as_numpy(absum), float(loss_sum.asscalar()) / accum_steps, logits
+    return split(acc), split(exact), split(absum), float(loss_sum.asscalar()) / accum_steps, logits
+
+
+def _add_on_host(grads: dict[str, Any], acc: dict, exact: dict, absum: dict) -> None:
+    for name, grad in grads.items():
+        add_step(grad.asnumpy().reshape(-1), acc[name].reshape(-1), exact[name].reshape(-1), absum[name].reshape(-1))
 
 
 def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,
