@@ -42,14 +42,19 @@ def header_lines(report: Report) -> list[str]:
     versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
     native, manual = report.bound["native"], report.bound["manual"]
     allowance = native.get("kernel_allowance", 0.0)
-    settings = ", ".join(f"{k} {v}" for k, v in report.settings.items() if k in ("hybridize", "oracle"))
+    notes = []
+    if "hybridize" in report.settings:
+        notes.append("hybridized" if report.settings["hybridize"] else "imperative")
+    if report.settings.get("oracle"):
+        notes.append(f"oracle {report.settings['oracle']}")
+    settings = ", ".join(notes)
     lines = [
         f"case {report.case} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
         f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}"
         + (f" · {settings}" if settings else ""),
         f"{versions} · {report.seconds:.2f}s",
         f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
-        + (f"; native + {allowance:g}u * (S + S_rms) kernel allowance (kAddTo kernels)" if allowance else ""),
+        + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
         "E, S: float64 sums of the micro-gradients and of their magnitudes",
     ]
     if report.inject:

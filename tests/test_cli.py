@@ -143,3 +143,15 @@ def test_output_replaces_an_existing_file(tmp_path):
                      "--output", str(out))
     assert result.returncode == 0
     assert out.read_text().startswith("## accumcheck: shared-weight")
+
+
+def test_a_missing_framework_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    import accumcheck
+    from accumcheck.backends import get_backend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mxnet" else real(name, *a))
+    with pytest.raises(accumcheck.AccumcheckError, match=r"mxnet is not installed; pip install 'accumcheck\[mxnet\]'"):
+        get_backend("mxnet")
