@@ -8,7 +8,9 @@ add into a buffer), and judges every parameter tensor against floating-point err
 __version__ = "0.1.0"
 
 from .api import compare, compare_frameworks
+from .assertions import AccumulationMismatch, assert_faithful
 from .errors import AccumcheckError
 from .report import Report, TensorResult, load_report
 
-__all__ = ["AccumcheckError", "Report", "TensorResult", "__version__", "compare", "compare_frameworks", "load_report"]
+__all__ = ["AccumcheckError", "AccumulationMismatch", "Report", "TensorResult", "__version__", "assert_faithful",
+           "compare", "compare_frameworks", "load_report"]

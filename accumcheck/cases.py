@@ -165,9 +165,31 @@ class Case:
             labels = rng.integers(0, classes, label_shape)
         return Batch(inputs=inputs, labels=labels.astype(np.int64))
 
+    def to_document(self) -> dict[str, Any]:
+        """The case as a TOML-ready document; ``parse_case`` of its TOML gives this case back."""
+        spec = self.input
+        if spec.kind == "tokens":
+            inp: dict[str, Any] = {"kind": "tokens", "vocab": spec.vocab, "seq_len": spec.seq_len}
+        else:
+            inp = {"kind": "features", "features": spec.features, "scale": spec.scale, "spread": spec.spread}
+        inp.update(batch_size=spec.batch_size, labels=spec.labels, distinct_batches=spec.distinct_batches)
+        return {"name": self.name, "description": self.description, "seed": self.seed,
+                "accum_steps": self.accum_steps, "input": inp,
+                "loss": {"kind": "softmax_cross_entropy", "reduction": self.loss_reduction},
+                "init": {"scheme": "xavier", "magnitude": self.init_magnitude, "scale": self.init_scale},
+                "layers": [_layer_document(layer) for layer in self.layers]}
+
     def fingerprint(self) -> str:
         """A short hash of the case definition, to tell two runs of different cases apart."""
         return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+def _layer_document(layer: Layer) -> dict[str, Any]:
+    doc: dict[str, Any] = {"type": layer.type, "name": layer.name}
+    doc.update({k: list(v) if isinstance(v, tuple) else v for k, v in layer.options.items()})
+    if layer.body:
+        doc["body"] = [_layer_document(child) for child in layer.body]
+    return doc
 
 
 # ----------------------------------------------------------------------------- shape walking

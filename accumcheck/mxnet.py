@@ -23,8 +23,7 @@ from .cases import infer_kind
 from .errors import AccumcheckError
 from .faults import parse_fault, resolve_fault
 from .report import Report
-
-Batch = tuple[Any, Any]
+from .usermodel import Batch, batch_source
 
 
 def check(block: Any, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch],
@@ -44,12 +43,7 @@ def check(block: Any, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Batc
     params = {name: p for name, p in block.collect_params().items() if p.grad_req != "null"}
     if not params:
         raise AccumcheckError("check: the block has no parameter with a gradient (all grad_req='null')")
-    get_batch, count = _batch_source(batches)
-    steps = accum_steps if accum_steps is not None else count
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise AccumcheckError(f"check: accum_steps must be a positive integer, got {steps!r}")
-    if count is not None and steps > count:
-        raise AccumcheckError(f"check: accum_steps={steps} but only {count} batches were given")
+    get_batch, steps = batch_source(batches, accum_steps)
     ctx = ctx if ctx is not None else next(iter(params.values())).list_ctx()[0]
     kinds = {name: infer_kind(name, len(p.shape)) for name, p in params.items()}
     fault = None
@@ -77,16 +71,6 @@ def check(block: Any, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Batc
         losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss},
         settings={"hybridize": bool(getattr(block, "_active", False)), "requested_device": str(ctx)})
     return build_report(None, run, steps, fault, False, time.perf_counter() - started, model=type(block).__name__)
-
-
-def _batch_source(batches: Any) -> tuple[Callable[[int], Batch], int | None]:
-    if callable(batches):
-        return batches, None
-    if not isinstance(batches, Sequence):
-        batches = list(batches)  # an iterator is read once; both passes need every batch
-    if not batches:
-        raise AccumcheckError("check: batches is empty; give (data, label) pairs")
-    return (lambda index: batches[index]), len(batches)
 
 
 def _save(params: dict[str, Any]) -> dict[str, tuple[str, list[Any]]]:

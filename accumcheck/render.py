@@ -40,7 +40,7 @@ def _index(index: list[int]) -> str:
 
 def header_lines(report: Report) -> list[str]:
     versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
-    native, manual = report.bound["native"], report.bound["manual"]
+    native = report.bound["native"]
     allowance = native.get("kernel_allowance", 0.0)
     notes = []
     if "hybridize" in report.settings:

@@ -116,7 +116,9 @@ class Report:
         return 1 if self.flagged else 0
 
     def reproduce_command(self) -> str:
-        """The CLI line that reruns this comparison."""
+        """The CLI line that reruns this comparison (for a user's own model: the call)."""
+        if self.case_source.startswith("<user model"):
+            return f"accumcheck.{self.framework}.check(<your {self.case}>, loss_fn, batches, accum_steps={self.accum_steps})"
         parts = ["accumcheck compare", f"--framework {self.framework}",
                  f"--device {self.settings.get('requested_device', self.device)}",
                  f"--case {self.case_source_arg}", f"--accum-steps {self.accum_steps}", f"--seed {self.seed}"]

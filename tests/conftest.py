@@ -4,6 +4,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import settings
+
+pytest_plugins = ["pytester"]
+
+# The default suite runs a bounded number of examples per property; `--hypothesis-profile thorough`
+# runs at least 10,000 each.
+settings.register_profile("default", max_examples=200, deadline=None)
+settings.register_profile("thorough", max_examples=10_000, deadline=None)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -16,21 +16,6 @@ def _clean(case):
     return FIXED or case != "shared-weight"
 
 
-@pytest.mark.parametrize("hybridize", [True, False], ids=["hybridized", "imperative"])
-@pytest.mark.parametrize("steps", [16, 32])
-@pytest.mark.parametrize("case", CASES)
-def test_clean_runs_flag_nothing(case, steps, hybridize):
-    if not _clean(case):
-        pytest.skip("shared-weight is flagged on this mxnet: see test_shared_weight_verdict_follows_the_version")
-    report = accumcheck.compare(case, framework="mxnet", accum_steps=steps, hybridize=hybridize)
-    assert report.exit_code == 0, [(t.name, t.ratio) for t in report.flagged]
-    assert report.settings["hybridize"] is hybridize
-    for t in report.tensors:
-        assert t.ratio <= 1.0
-        if t.verdict == "round-off":  # native and manual differ: the numbers say by how much
-            assert t.max_ulps > 0 and t.mismatched > 0
-
-
 def test_kernel_differences_show_as_round_off_with_ulps_and_ratio():
     report = accumcheck.compare("embed-attention", framework="mxnet", accum_steps=16)
     embed = next(t for t in report.tensors if t.name == "embed.weight")

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -251,17 +251,35 @@ class _StepRecorder:
 
 def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None,
                 progress: Progress | None, phase: str) -> dict[str, Any]:
-    """Stream the micro-steps. Returns the manual/E/S buffers, the native grads and the mean loss."""
+    """Stream the case's micro-steps through ``model``; see ``accumulate``."""
     import torch
 
-    recorder = _StepRecorder(model.canonical)
+    dtype = next(model.parameters()).dtype
+
+    def step_loss(step: int) -> Any:
+        batch = case.batch(step)
+        labels = torch.from_numpy(batch.labels).to(dev)
+        return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels)
+
+    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase)
+
+
+def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
+               progress: Progress | None, phase: str) -> dict[str, Any]:
+    """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
+    natively while the hooks feed manual, E and S. ``params`` maps names to leaf parameters,
+    whose ``.grad`` is reset first. Returns {"buffers": name -> (manual, exact, absum),
+    "native": name -> accumulated .grad, "loss": mean loss}."""
+    import torch
+
+    recorder = _StepRecorder(params)
     handles = []
     state = {"step": 0}
     injector = None
     if fault is not None:
         injector = FaultInjector(fault, accum_steps, lambda t: t.to(torch.bfloat16).to(t.dtype))
 
-    for name, param in model.canonical.items():
+    for name, param in params.items():
         param.grad = None
         if injector is None or fault.param != name:
             # A C-level callable: the hook costs no Python frame inside the backward pass.
@@ -282,14 +300,12 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
 
             handles.append(param.register_post_accumulate_grad_hook(round_total))
 
-    loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    first = next(iter(params.values()))
+    loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
     try:
         for step in range(accum_steps):
             state["step"] = step
-            batch = case.batch(step)
-            inputs = _inputs(batch.inputs, dev, next(model.parameters()).dtype)
-            labels = torch.from_numpy(batch.labels).to(dev)
-            loss = case_loss(case, model(inputs), labels)
+            loss = step_loss(step)
             loss.backward()
             recorder.flush()
             loss_sum += loss.detach()
@@ -298,7 +314,7 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
     finally:
         for handle in handles:
             handle.remove()
-    native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in model.canonical.items()}
+    native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
     return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps}
 
 

@@ -1,0 +1,42 @@
+"""``assert_faithful``: the assertion for tests, with a message in torch.testing's shape."""
+
+from __future__ import annotations
+
+from .crosscheck import CrossReport
+from .render import cross_summary, num, summary_line, tensor_details
+from .report import Report
+
+
+class AccumulationMismatch(AssertionError):
+    """Raised by assert_faithful; the message names every flagged tensor and its numbers."""
+
+
+def failure_message(report: Report | CrossReport) -> str:
+    """The text assert_faithful raises with: what was flagged, then torch.testing-style lines
+    (mismatched elements, greatest differences and where) plus the bound, ratio, ulps, gradient
+    magnitude and the mode nearer the float64 sum, then the command that reproduces the run."""
+    if isinstance(report, CrossReport):
+        lines = [f"Frameworks disagree: {cross_summary(report)}", ""]
+        for r in report.reports:
+            if r.flagged:
+                lines.append(failure_message(r))
+        for a in report.flagged:
+            lines.append(f"{a.name} ({a.kind}): {a.verdict}, {num(a.ratio)}x the agreement bound "
+                         f"{num(a.bound_at_worst)} at index {tuple(a.worst_index)}; greatest absolute difference "
+                         f"{num(a.max_abs_diff)} at index {tuple(a.max_abs_diff_index)} ({num(a.max_ulps)} ulps)")
+        lines.append(f"Reproduce: {report.reproduce_command()}")
+        return "\n".join(lines)
+    where = f"case {report.case}, {report.framework} on {report.device}, N = {report.accum_steps}"
+    lines = [f"Gradient accumulation is not faithful ({where}): {summary_line(report)}", ""]
+    for t in report.flagged:
+        lines += [line.strip() for line in tensor_details(t)] + [""]
+    lines.append(f"Reproduce: {report.reproduce_command()}")
+    return "\n".join(lines)
+
+
+def assert_faithful(report: Report | CrossReport) -> None:
+    """Pass when no tensor is flagged (and, for a CrossReport, the frameworks agree); raise
+    AccumulationMismatch (an AssertionError) with ``failure_message(report)`` otherwise."""
+    __tracebackhide__ = True
+    if report.exit_code:
+        raise AccumulationMismatch(failure_message(report))
