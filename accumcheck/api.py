@@ -16,6 +16,8 @@ from .bounds import ModeBound
 from .cases import Case, resolve_case
 from .compare import compare_tensor
 from .crosscheck import CrossReport, agreement, forward_agreement
+from .diagnostics.layers import layer_norms
+from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .faults import Fault, parse_fault, resolve_fault
 from .report import Report
@@ -31,18 +33,28 @@ def compare(
     inject: str | Fault | None = None,
     progress: Progress | None = None,
     hybridize: bool = True,
+    grad_norms: str | Path | None = None,
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
 
     ``hybridize`` applies to MXNet (Gluon ``hybridize(static_alloc=True)``); other frameworks
-    ignore it. Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
+    ignore it. ``grad_norms`` names a TensorBoard log folder for the per-layer gradient norms of
+    both modes (tags ``grad_norm_native/<layer>``, ``grad_norm_manual/<layer>``, step N).
+    Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
     the_case, steps, fault = _prepare(case, accum_steps, seed, inject)
     backend = get_backend(framework)
+    writer = ScalarWriter(str(grad_norms)) if grad_norms is not None else None  # fails before the run
     run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
                       options={"hybridize": hybridize})
+    if writer is not None:
+        names = [p.name for p in run.params]
+        for mode in ("native", "manual"):
+            for layer, norm in layer_norms(names, [getattr(p, mode) for p in run.params]).items():
+                writer.add_scalar(f"grad_norm_{mode}/{layer}", norm, steps)
+        writer.close()
     return build_report(the_case, run, steps, fault, oracle, time.perf_counter() - started)
 
 
@@ -105,6 +117,9 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
     tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum,
                               native_bound, manual_bound, p.oracle) for p in run.params]
+    whole = sum(t.grad_sum_sq for t in tensors)
+    for t in tensors:
+        t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0
     if case is None:
         case = Case(model or "model", "", -1, accum_steps, None, "", 0.0, 0.0, (), source=f"<user model {model}>")
     return Report(

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"perturb the native accumulation: {', '.join(FAULT_KINDS)}")
     run.add_argument("--hybridize", action=argparse.BooleanOptionalAction, default=True,
                      help="MXNet: hybridize(static_alloc=True) the Gluon block (default: on)")
+    run.add_argument("--grad-norms", metavar="DIR",
+                     help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
 
     sub.add_parser("cases", help="list the built-in cases")
@@ -132,6 +134,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     _check_output(args.output)
     frameworks = args.framework if isinstance(args.framework, list) else [args.framework]
+    if args.grad_norms is not None and len(set(frameworks)) > 1:
+        raise AccumcheckError("--grad-norms works with one framework at a time; run each --framework on its own")
     with _LazyProgress() as progress:
         if len(set(frameworks)) > 1:
             report = compare_frameworks(case=args.case, frameworks=frameworks, accum_steps=args.accum_steps,
@@ -140,7 +144,7 @@ def _compare(args: argparse.Namespace) -> int:
         else:
             report = compare(case=args.case, framework=frameworks[0], accum_steps=args.accum_steps,
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
-                             progress=progress, hybridize=args.hybridize)
+                             progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms)
     _emit(report, args)
     return report.exit_code
 

@@ -252,6 +252,7 @@ def compare_tensor(
         err_native=float(peak[_MAX_ERR_A]), err_manual=float(peak[_MAX_ERR_B]),
         rel_err_native=relative(err2_a), rel_err_manual=relative(err2_b), condition=condition,
         nearer=nearer, nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
+        grad_sum_sq=float(total[_SQ_E]),
     )
     if oracle is not None:
         o = np.asarray(oracle, np.float64).reshape(-1)

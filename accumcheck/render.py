@@ -105,7 +105,8 @@ def tensor_details(t: TensorResult) -> list[str]:
     if t.oracle_err_native is not None:
         lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
                      f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")
-    lines.append(f"  Gradient magnitude max|E| {num(t.max_abs_grad)}; condition number S/|E| {num(t.condition)}"
+    lines.append(f"  Gradient magnitude max|E| {num(t.max_abs_grad)}, {100 * t.norm_share:.3g}% of the whole gradient's "
+                 f"sum of squares; condition number S/|E| {num(t.condition)}"
                  + (" (ill-conditioned: cancellation, not a bug, while within the bound)" if t.ill_conditioned else ""))
     return lines
 

@@ -64,6 +64,8 @@ class TensorResult:
     nearer: str  # "native", "manual" or "tie" (smaller L2 error against E)
     nonfinite_native: int
     nonfinite_manual: int
+    grad_sum_sq: float = 0.0  # sum of E^2 over the tensor
+    norm_share: float = 0.0  # this tensor's share of the whole gradient's sum of squares (of E)
     oracle_err_native: float | None = None  # max |mode - O|, O = the whole model in float64
     oracle_err_manual: float | None = None
     oracle_err_exact: float | None = None

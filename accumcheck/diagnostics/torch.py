@@ -158,6 +158,7 @@ class GradMonitor:
                                        ("flag", step, norms, norm_type)))
         if self.writer is not None and (step % self.log_every == 0 or step <= self.window_end):
             self._pending.append(_HostCopy(self._layer_stats(norms, total, norm_type), ("stats", step)))
+        self._drain()  # on the CPU the copies have arrived already: report this step's own gradients
         return total
 
     def enable(self, steps: int) -> None:
@@ -231,8 +232,10 @@ def dominance_report(names: Sequence[str], params: Sequence[Any], norms: Any = N
                      clip_coef: float = 1.0) -> DominanceReport:
     """The top_k parameters by share of the total sum of squares (non-finite ones first), with
     their norm, the parameter's RMS and where its gradient is largest. ``norms`` are per-parameter
-    gradient norms (those GradMonitor kept for the anomalous step); without them they are computed
-    from the current gradients. RMS and locations are read from the current values."""
+    gradient norms (those GradMonitor kept for the anomalous step, before clipping); without them
+    they are computed from the current gradients. RMS and locations are read from the current
+    values: the clipped gradients of that step, or of the next one where the report comes a step
+    late (on a GPU whose copy had not yet arrived)."""
     import torch
 
     if norms is None:

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m accumcheck.examples.diverge``."""
