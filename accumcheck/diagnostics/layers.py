@@ -13,18 +13,20 @@ from ..errors import AccumcheckError
 
 DEFAULT_LAYERS = "0,1,n//2,-2,-1"
 
-def _block_of(name: str) -> tuple[str, str, int] | None:
-    """(layer key, stem, number) when the name lies in a numbered layer: "layers.3.w" ->
-    ("layers.3", "layers.", 3); "block0.attn.w" -> ("block0", "block", 0); "0.weight" -> ("0", "", 0)."""
+def _numbered(name: str) -> list[tuple[str, str, int]]:
+    """Every numbered component of a name, as (layer key, stem, number): "enc.layers.3.w" gives
+    ("enc.layers.3", "enc.layers.", 3); "block0.attn.w" gives ("block0", "block", 0)."""
     sep = _separator(name)
     parts = name.split(sep)
+    found = []
     for j, part in enumerate(parts[:-1]):
         if part.isdigit():
-            return sep.join(parts[: j + 1]), sep.join(parts[:j]) + sep, int(part)
+            found.append((sep.join(parts[: j + 1]), sep.join(parts[:j]) + sep, int(part)))
+            continue
         match = re.fullmatch(r"([A-Za-z_]+?)(\d+)", part)
         if match:
-            return sep.join(parts[: j + 1]), sep.join(parts[:j] + [match.group(1)]), int(match.group(2))
-    return None
+            found.append((sep.join(parts[: j + 1]), sep.join(parts[:j] + [match.group(1)]), int(match.group(2))))
+    return found
 
 
 def _separator(name: str) -> str:
@@ -34,29 +36,29 @@ def _separator(name: str) -> str:
 
 def layer_groups(names: Sequence[str]) -> tuple[dict[str, list[int]], list[str]]:
     """Group parameter indices by layer. Returns (layer -> parameter indices, in model order) and
-    the repeated blocks, in order of their number: the numbered layers of the most common stem
-    ("layers.0" ... "layers.11"), which is what layer indices count."""
-    groups: dict[str, list[int]] = {}
-    stems: dict[str, dict[str, int]] = {}
+    the repeated blocks, in order of their number: the numbered layers of the stem with the most
+    of them ("layers.0" ... "layers.11"), which is what layer indices count."""
     # A prefix every name shares ("net0_" in Gluon, "model." in a wrapper) names no layer.
     common = os.path.commonprefix(list(names)) if len(names) > 1 else ""
     cut = max(common.rfind("."), common.rfind("_")) + 1
     if not all("." in n[cut:] or "_" in n[cut:] for n in names):
         cut = 0
-    for i, full in enumerate(names):
-        name = full[cut:]
-        block = _block_of(name)
-        if block:
-            key, stem, number = block
+    short = [n[cut:] for n in names]
+    stems: dict[str, dict[str, int]] = {}
+    for name in short:
+        for key, stem, number in _numbered(name):
             stems.setdefault(stem, {})[key] = number
-        else:
+    members = max(stems.values(), key=len) if stems else {}
+    if len(members) < 2:
+        members = {}
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(short):
+        key = next((k for k, _, _ in _numbered(name) if k in members), None)
+        if key is None:
             sep = _separator(name)
             key = name.rsplit(sep, 1)[0] if sep in name else name
         groups.setdefault(key, []).append(i)
-    if not stems:
-        return groups, []
-    members = max(stems.values(), key=len)
-    return groups, sorted(members, key=members.get) if len(members) > 1 else []
+    return groups, sorted(members, key=members.get)
 
 
 def select_layers(names: Sequence[str], spec: str | Sequence[int] | Sequence[str] | None = DEFAULT_LAYERS) -> list[str]:

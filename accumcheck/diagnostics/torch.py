@@ -122,6 +122,7 @@ class GradMonitor:
         self.window_end = -1
         self.reports: list[DominanceReport] = []
         self._pending: list[_HostCopy] = []
+        self._index: Any = None  # (device, watched parameters, per-layer index tensors)
         self.last_norms: Any = None  # per-parameter norms of the last step, on the device
         self.last_total: Any = None
         self.last_coef: Any = None
@@ -187,19 +188,26 @@ class GradMonitor:
         """[norm, min, max, absmax, share] per watched layer, on the device, in one tensor."""
         import torch
 
+        device = norms.device
+        if self._index is None or self._index[0] != device:
+            watched = sorted({i for indices in self.layers.values() for i in indices})
+            position = {i: k for k, i in enumerate(watched)}
+            self._index = (device, watched, [(torch.tensor(idx, device=device),
+                                              torch.tensor([position[i] for i in idx], device=device))
+                                             for idx in self.layers.values()])
+        _, watched, index = self._index
+        zero = torch.zeros((), dtype=norms.dtype, device=device)
+        pairs = [torch.aminmax(self.params[i].grad) if self.params[i].grad is not None else (zero, zero)
+                 for i in watched]
+        lows = torch.stack([low.to(norms.dtype) for low, _ in pairs])
+        highs = torch.stack([high.to(norms.dtype) for _, high in pairs])
         rows = []
-        for indices in self.layers.values():
-            grads = [self.params[i].grad for i in indices if self.params[i].grad is not None]
-            member = norms[torch.tensor(indices, device=norms.device)]
-            layer_norm = torch.linalg.vector_norm(member, norm_type)
-            if grads:
-                lows, highs = zip(*(torch.aminmax(g) for g in grads))
-                low, high = torch.stack(lows).min().to(norms.dtype), torch.stack(highs).max().to(norms.dtype)
-            else:
-                low = high = torch.zeros((), dtype=norms.dtype, device=norms.device)
-            share = layer_norm**2 / total**2
-            rows.append(torch.stack([layer_norm, low, high, torch.maximum(low.abs(), high.abs()), share]))
-        return torch.stack(rows) if rows else torch.zeros((0, 5), device=norms.device)
+        for members, positions in index:
+            layer_norm = torch.linalg.vector_norm(norms[members], norm_type)
+            low, high = lows[positions].min(), highs[positions].max()
+            rows.append(torch.stack([layer_norm, low, high, torch.maximum(low.abs(), high.abs()),
+                                     layer_norm**2 / total**2]))
+        return torch.stack(rows) if rows else torch.zeros((0, 5), device=device)
 
     def _drain(self) -> None:
         """Process the copies that have arrived; keep the others for later."""
