@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ import numpy as np
 
 from .backends.base import RunResult
 from .bounds import UNIT_ROUNDOFF
-from .report import Report
+from .report import _FLOAT_WORDS, Report, _encode
 
 FLOAT64_KERNEL_ALLOWANCE = 16.0
 CROSS_VERDICTS = ("identical", "agree", "disagree", "non-finite")
@@ -72,7 +71,7 @@ class CrossReport:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["reports"] = [r.to_dict() for r in self.reports]
-        return _jsonable(data)
+        return _encode(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
@@ -89,23 +88,12 @@ class CrossReport:
     def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> "CrossReport":
         data = dict(data)
         reports = [Report.from_dict(r, source) for r in data.pop("reports")]
-        agreement = [Agreement(**{k: (_FLOATS.get(v, v) if isinstance(v, str) and k != "name" and k != "kind"
+        agreement = [Agreement(**{k: (_FLOAT_WORDS.get(v, v) if isinstance(v, str) and k != "name" and k != "kind"
                                       and k != "verdict" else v) for k, v in a.items()})
                      for a in data.pop("agreement")]
         return cls(reports=reports, agreement=agreement, **data)
 
 
-_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def ordered_bits(values: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -228,8 +228,6 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     output of micro-step 0. A faulted parameter is accumulated by the fault injector instead,
     from its exact micro-gradients (grad_req='write')."""
     mx = _mx()
-    from mxnet import autograd
-
     target = fault.param if fault is not None else None
     _set_grad_req(params, {target: "write"} if target else {}, "add", refresh)
     for param in params.values():
@@ -239,14 +237,8 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
         injector = FaultInjector(fault, accum_steps,
                                  lambda t: mx.nd.array(round_to_bfloat16(t.asnumpy()), ctx=ctx, dtype=t.dtype))
     total = None
-    loss_sum = None
-    first = None
-    for index in range(accum_steps):
-        with autograd.record():
-            loss, out = step(index)
-        loss.backward()
-        loss_sum = loss.mean() if loss_sum is None else loss_sum + loss.mean()
-        first = out if index == 0 else first
+    losses: list[Any] = []
+    for index, _ in _micro_steps(step, accum_steps, losses):
         if injector is not None:
             grad = params[target].grad().copy()
             contribution = injector.contribution(index, grad, total)
@@ -258,7 +250,7 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     grads = {name: p.grad().asnumpy() for name, p in params.items()}
     if target is not None:
         grads[target] = total.asnumpy()
-    return grads, float(loss_sum.asscalar()) / accum_steps, first
+    return grads, float(losses[1].asscalar()) / accum_steps, losses[0]
 
 
 def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any, progress: Progress | None,
@@ -266,8 +258,6 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64).
     Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy)."""
     mx = _mx()
-    from mxnet import autograd
-
     _set_grad_req(params, {}, "write", refresh)
     # On the CPU each gradient is added by one compiled pass into numpy buffers (MXNet's
     # elementwise operators and concat are slow there); on a GPU the adds stay on the device.
@@ -281,15 +271,9 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
         acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=p.dtype) for name, p in params.items()}
         exact = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
         absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
-    loss_sum = None
-    first = None
+    losses: list[Any] = []
     pending: dict[str, Any] = {}
-    for index in range(accum_steps):
-        with autograd.record():
-            loss, out = step(index)
-        loss.backward()
-        loss_sum = loss.mean() if loss_sum is None else loss_sum + loss.mean()
-        first = out if index == 0 else first
+    for index, _ in _micro_steps(step, accum_steps, losses):
         if on_cpu:
             # Copy on MXNet's engine, read on the host one micro-step later: the host waits for a
             # gradient only while the engine already runs the next micro-step.
@@ -309,8 +293,25 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     def split(values: dict[str, Any]) -> dict[str, np.ndarray]:
         return values if on_cpu else {name: v.asnumpy() for name, v in values.items()}
 
+    first, loss_sum = losses
     logits = first.asnumpy() if hasattr(first, "asnumpy") else None
     return split(acc), split(exact), split(absum), float(loss_sum.asscalar()) / accum_steps, logits
+
+
+def _micro_steps(step: StepFn, accum_steps: int, losses: list[Any]) -> Iterator[tuple[int, Any]]:
+    """Forward under autograd.record() and backward, micro-step by micro-step; yields (index,
+    output). Leaves [output of micro-step 0, summed mean loss] in ``losses`` (NDArrays)."""
+    from mxnet import autograd
+
+    losses[:] = [None, None]
+    for index in range(accum_steps):
+        with autograd.record():
+            loss, out = step(index)
+        loss.backward()
+        losses[1] = loss.mean() if losses[1] is None else losses[1] + loss.mean()
+        if index == 0:
+            losses[0] = out
+        yield index, out
 
 
 def _add_on_host(grads: dict[str, Any], acc: dict, exact: dict, absum: dict) -> None:

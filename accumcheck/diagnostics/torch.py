@@ -221,7 +221,7 @@ class GradMonitor:
                 flag, total, coef = copy.values()
                 if flag:
                     _, step, norms, _ = copy.payload
-                    reason = (f"non-finite gradient norm" if not np.isfinite(total) else
+                    reason = ("non-finite gradient norm" if not np.isfinite(total) else
                               f"clipping scale {coef:.3g} below {self.clip_threshold:g}")
                     report = dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step,
                                               reason=reason, total_norm=float(total), clip_coef=float(coef))
