@@ -274,6 +274,37 @@ def test_mxnet_statistics_and_dominance():
     assert mx_report(params).entries[0].name == names[1]
 
 
+def test_mxnet_statistics_reach_tensorboard_and_gradient_lists_clip(tmp_path):
+    mx = pytest.importorskip("mxnet")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from accumcheck.diagnostics.mxnet import clip_global_norm, layer_stats, log_stats
+    from accumcheck.diagnostics.tensorboard import ScalarWriter
+
+    grads = [mx.nd.full((3, 3), 2.0), mx.nd.full((4,), 1.0)]
+    total, norms = clip_global_norm(grads, max_norm=1.0)
+    assert float(total.asscalar()) == pytest.approx(np.sqrt(9 * 4 + 4))
+    assert float(grads[1].asnumpy()[0]) == pytest.approx(1 / np.sqrt(40), rel=1e-5)
+    net = mx.gluon.nn.HybridSequential()
+    for _ in range(3):
+        net.add(mx.gluon.nn.Dense(4))
+    net.initialize()
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((2, 4))).sum()
+    loss.backward()
+    writer = ScalarWriter(str(tmp_path))
+    stats = layer_stats(net.collect_params())
+    log_stats(writer, stats, step=7)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    first, last = list(stats)[0], list(stats)[-1]  # Gluon numbers layers globally: dense0.. or dense6..
+    assert len(stats) == 3 and first.startswith("dense")
+    assert {f"grad_norm/{first}", f"grad_share/{last}", f"grad_absmax/{first}"} <= set(events.Tags()["scalars"])
+    assert events.Scalars(f"grad_norm/{first}")[0].step == 7
+    assert events.Scalars(f"grad_norm/{first}")[0].value == pytest.approx(stats[first]["norm"], rel=1e-6)
+
+
 def test_the_divergence_example_names_the_dominating_parameter(capsys, caplog):
     from accumcheck.examples import diverge
 

@@ -27,6 +27,15 @@ def _named(params: Any) -> list[tuple[str, Any]]:
     return [(name, p) for name, p in items if p.grad_req != "null"]
 
 
+def _grads(params: Any) -> list[Any]:
+    """Gradient NDArrays: of Parameters (a ParameterDict, dict or pairs), or a list of arrays."""
+    import mxnet as mx
+
+    if isinstance(params, (list, tuple)) and params and isinstance(params[0], mx.nd.NDArray):
+        return list(params)
+    return [p.grad() for _, p in _named(params)]
+
+
 def grad_norms(grads: list[Any]) -> tuple[Any, Any]:
     """Per-array L2 norms and their total, as NDArrays, from one fused sum-of-squares call."""
     import mxnet as mx
@@ -37,10 +46,12 @@ def grad_norms(grads: list[Any]) -> tuple[Any, Any]:
 
 def clip_global_norm(params: Any, max_norm: float) -> tuple[Any, Any]:
     """Scale every gradient by min(1, max_norm / (total + 1e-6)), in place, without waiting for
-    the engine. Returns (total norm, per-parameter norms) as NDArrays."""
+    the engine. ``params``: a ParameterDict (``net.collect_params()``, what a Trainer holds), a
+    dict or pairs of Parameters, or a list of gradient arrays. Returns (total norm,
+    per-parameter norms) as NDArrays."""
     import mxnet as mx
 
-    grads = [p.grad() for _, p in _named(params)]
+    grads = _grads(params)
     norms, total = grad_norms(grads)
     scale = mx.nd.minimum(max_norm / (total + 1e-6), mx.nd.ones_like(total))
     for grad in grads:
@@ -87,3 +98,11 @@ def dominance_report(params: Any, norms: Any = None, top_k: int = 5, step: int =
         entries.append(DominanceEntry(name, share, float(host[index]), rms, where, value, bad))
     total = float(np.sqrt((host[np.isfinite(host)] ** 2).sum())) if np.isfinite(host).all() else float("nan")
     return DominanceReport(step=step, reason=reason, total_norm=total, clip_coef=1.0, entries=entries)
+
+
+def log_stats(writer: Any, stats: dict[str, dict[str, float]], step: int) -> None:
+    """Write ``layer_stats`` to TensorBoard as grad_norm/<layer>, grad_min/<layer>, ...
+    (``writer``: anything with add_scalar, e.g. accumcheck.diagnostics.tensorboard.ScalarWriter)."""
+    for layer, values in stats.items():
+        for stat, value in values.items():
+            writer.add_scalar(f"grad_{stat}/{layer}", value, step)
