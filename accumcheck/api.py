@@ -14,7 +14,7 @@ from .backends import get_backend
 from .backends.base import Progress, RunResult
 from .bounds import ModeBound
 from .cases import Case, resolve_case
-from .compare import compare_tensor
+from .compare import compare_tensor, ratio_map
 from .crosscheck import CrossReport, agreement, forward_agreement
 from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
@@ -120,6 +120,12 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     whole = sum(t.grad_sum_sq for t in tensors)
     for t in tensors:
         t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0
+    # Where the differences sit, for the flagged tensors and the three nearest their bound.
+    mapped = {t.name for t in tensors if t.flagged}
+    mapped |= {t.name for t in sorted(tensors, key=lambda t: -t.ratio if t.ratio == t.ratio else 0)[:3]}
+    for p, t in zip(run.params, tensors):
+        if t.name in mapped and t.verdict != "non-finite":
+            t.ratio_map, t.ratio_map_cell = ratio_map(p.native, p.manual, p.exact, p.absum, native_bound, manual_bound)
     if case is None:
         case = Case(model or "model", "", -1, accum_steps, None, "", 0.0, 0.0, (), source=f"<user model {model}>")
     return Report(

@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 from .errors import AccumcheckError
 from .faults import FAULT_KINDS
 from .backends import FRAMEWORKS
-from .options import choice_list, integer, positive_int
-from .render import FORMATS, cross_summary, render, render_console, summary_line
+from .options import choice_list, integer, positive_int, positive_int_list
+from .render import FORMATS, cross_summary, num, render, render_console, summary_line
 from .report import Report
 
 
@@ -37,21 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("compare", help="run a case in native and manual mode and judge every tensor")
     run.add_argument("--framework", default="torch", type=choice_list(FRAMEWORKS), metavar="NAME[,NAME]",
                      help=f"{' or '.join(FRAMEWORKS)}; two, comma-separated, to compare them too (default: %(default)s)")
-    run.add_argument("--device", default="cpu", metavar="DEV", help="cpu, gpu, cuda or cuda:N (default: %(default)s)")
-    run.add_argument("--case", default="embed-attention", metavar="NAME|PATH",
-                     help="a built-in case (see `accumcheck cases`) or a case .toml file (default: %(default)s)")
+    _add_run_options(run)
     run.add_argument("--accum-steps", type=positive_int, metavar="N",
                      help="micro-steps to accumulate (default: the case's own)")
-    run.add_argument("--seed", type=integer, metavar="S", help="override the case's seed")
     run.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=False,
                      help="also run the whole model in float64 (default: off)")
-    run.add_argument("--inject", metavar="KIND[:PARAM]",
-                     help=f"perturb the native accumulation: {', '.join(FAULT_KINDS)}")
-    run.add_argument("--hybridize", action=argparse.BooleanOptionalAction, default=True,
-                     help="MXNet: hybridize(static_alloc=True) the Gluon block (default: on)")
     run.add_argument("--grad-norms", metavar="DIR",
                      help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
+
+    sweep = sub.add_parser("sweep", help="compare at several numbers of accumulation steps")
+    sweep.add_argument("--framework", default="torch", choices=FRAMEWORKS, help="(default: %(default)s)")
+    _add_run_options(sweep)
+    sweep.add_argument("--accum-steps", type=positive_int_list, metavar="N,N,...", default=[1, 2, 4, 8, 16, 32, 64],
+                       help="the numbers of micro-steps (default: 1,2,4,...,64)")
+    _add_output_options(sweep)
+
+    diff = sub.add_parser("diff", help="compare two saved JSON reports tensor by tensor")
+    diff.add_argument("report_a", metavar="A.json")
+    diff.add_argument("report_b", metavar="B.json")
+    diff.add_argument("--format", choices=("table", "markdown"), default="table", help="(default: %(default)s)")
 
     sub.add_parser("cases", help="list the built-in cases")
 
@@ -59,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("report", metavar="REPORT.json")
     _add_output_options(show)
     return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", metavar="DEV", help="cpu, gpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--case", default="embed-attention", metavar="NAME|PATH",
+                        help="a built-in case (see `accumcheck cases`) or a case .toml file (default: %(default)s)")
+    parser.add_argument("--seed", type=integer, metavar="S", help="override the case's seed")
+    parser.add_argument("--inject", metavar="KIND[:PARAM]",
+                        help=f"perturb the native accumulation: {', '.join(FAULT_KINDS)}")
+    parser.add_argument("--hybridize", action=argparse.BooleanOptionalAction, default=True,
+                        help="MXNet: hybridize(static_alloc=True) the Gluon block (default: on)")
+    parser.add_argument("--plot", metavar="DIR", help="also draw the plots (PNG and SVG) into DIR")
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     try:
-        return {"compare": _compare, "cases": _cases, "show": _show}[args.command](args)
+        return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff}[args.command](args)
     except AccumcheckError as exc:
         print(f"accumcheck: error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +142,11 @@ def _emit(report, args: argparse.Namespace) -> None:
             handle.write(text)
         raise AccumcheckError(f"--output {args.output}: cannot write ({exc.strerror}); "
                               f"the report was saved to {rescue} instead") from None
-    print(summary_line(report) if isinstance(report, Report) else cross_summary(report))
+    from .render import sweep_summary
+    from .sweep import SweepReport
+
+    print(summary_line(report) if isinstance(report, Report) else
+          sweep_summary(report) if isinstance(report, SweepReport) else cross_summary(report))
     print(f"report written to {args.output}")
 
 
@@ -133,6 +154,7 @@ def _compare(args: argparse.Namespace) -> int:
     from .api import compare, compare_frameworks
 
     _check_output(args.output)
+    _check_plot(args.plot)
     frameworks = args.framework if isinstance(args.framework, list) else [args.framework]
     if args.grad_norms is not None and len(set(frameworks)) > 1:
         raise AccumcheckError("--grad-norms works with one framework at a time; run each --framework on its own")
@@ -146,7 +168,94 @@ def _compare(args: argparse.Namespace) -> int:
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
                              progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms)
     _emit(report, args)
+    if args.plot:
+        _plots(report, args.plot)
     return report.exit_code
+
+
+def _check_plot(folder: str | None) -> None:
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise AccumcheckError(f"--plot {folder}: is a file; give a folder (it is created if missing)")
+
+
+def _plots(report, folder: str, growth_of=None) -> None:
+    from . import plots
+    from .crosscheck import CrossReport
+
+    reports = report.reports if isinstance(report, CrossReport) else [report]
+    written = []
+    for r in reports:
+        stem = f"{r.case}-{r.framework}-N{r.accum_steps}"
+        written += plots.save(plots.figures(r), folder, stem)
+    if growth_of is not None:
+        first = growth_of[0]
+        written += plots.save({"growth": plots.growth(growth_of)}, folder, f"{first.case}-{first.framework}-sweep")
+    print(f"plots written: {', '.join(str(p) for p in written if p.suffix == '.png')} (and .svg)", file=sys.stderr)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from .sweep import sweep
+
+    _check_output(args.output)
+    _check_plot(args.plot)
+    with _LazyProgress() as progress:
+        steps = args.accum_steps
+
+        def step_progress(phase: str, done: int, total: int, _steps=steps) -> None:
+            progress("sweep", len(progress_state) - 1 + done / total, len(_steps))
+
+        progress_state: list[int] = []
+        reports = []
+        for n in steps:
+            progress_state.append(n)
+            reports.append(sweep(args.case, [n], framework=args.framework, device=args.device, seed=args.seed,
+                                 inject=args.inject, hybridize=args.hybridize, progress=step_progress).reports[0])
+    from .sweep import SweepReport
+
+    result = SweepReport(reports)
+    _emit(result, args)
+    if args.plot:
+        _plots(result.reports[-1], args.plot, growth_of=result.reports)
+    return result.exit_code
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .diffing import describe, diff_reports
+    from .report import load_report
+
+    a, b = load_report(args.report_a), load_report(args.report_b)
+    common, only_a, only_b = diff_reports(a, b)
+    changed = [c for c in common if c.changed]
+    lines_a, lines_b = f"A: {args.report_a}: {describe(a)}", f"B: {args.report_b}: {describe(b)}"
+    summary = (f"{len(changed)} of {len(common)} tensors changed verdict: "
+               + ", ".join(f"{c.name} ({c.verdict_a} -> {c.verdict_b})" for c in changed)
+               if changed else f"no verdict changed ({len(common)} tensors in both)")
+    extra = ([f"only in A: {', '.join(only_a)}"] if only_a else []) + ([f"only in B: {', '.join(only_b)}"] if only_b else [])
+    if args.format == "markdown":
+        out = [f"- {lines_a}", f"- {lines_b}", "", "| tensor | kind | verdict A | verdict B | ratio A | ratio B |",
+               "|---|---|---|---|---:|---:|"]
+        for c in common:
+            mark = "**" if c.changed else ""
+            out.append(f"| `{c.name}` | {c.kind} | {mark}{c.verdict_a}{mark} | {mark}{c.verdict_b}{mark} "
+                       f"| {num(c.ratio_a)} | {num(c.ratio_b)} |")
+        print("\n".join(out + [""] + [f"- {e}" for e in extra] + ["", f"**{summary}**"]))
+    else:
+        console = _console()
+        console.print(lines_a)
+        console.print(lines_b)
+        table = Table()
+        for title in ("tensor", "kind", "verdict A", "verdict B", "ratio A", "ratio B"):
+            table.add_column(title, justify="right" if title.startswith("ratio") else "left", no_wrap=True)
+        for c in common:
+            style = "bold red" if c.changed else ""
+            table.add_row(c.name, c.kind, c.verdict_a, c.verdict_b, num(c.ratio_a), num(c.ratio_b), style=style)
+        console.print(table)
+        for e in extra:
+            console.print(e)
+        console.print(summary, style="bold red" if changed else "bold green")
+    return 1 if changed or only_a or only_b else 0
 
 
 def _cases(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ _MAX_CHUNKS = 4096
 # Columns of the kernel's per-chunk output.
 (_MAX_E, _NONFIN_A, _NONFIN_B, _NONFIN_E, _NDIFF, _MAX_DIFF, _MAX_REL, _NCLASSIC, _MAX_ULPS,
  _RATIO_A, _RATIO_B, _OVER_A, _OVER_B, _SUM_S, _SUM_ABS_E, _SQ_ERR_A, _SQ_ERR_B, _MAX_ERR_A,
- _MAX_ERR_B, _SQ_E, _NSTATS) = range(21)
+ _MAX_ERR_B, _SQ_E, _DIFF_RATIO, _NSTATS) = range(22)
 
 
 _BLOCK = 256  # elements checked for native == manual at once; equal blocks skip the A-B statistics
@@ -68,6 +68,7 @@ def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs
         max_err_a = 0.0
         max_err_b = 0.0
         sq_e = 0.0
+        diff_ratio = 0.0
         i_diff = -1
         i_a = -1
         i_b = -1
@@ -114,6 +115,8 @@ def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs
                 # Native against manual, as torch.testing would see it.
                 d = abs(x - y)
                 ndiff += x != y
+                if d > diff_ratio * (bound_a + bound_b):
+                    diff_ratio = d / (bound_a + bound_b)
                 if d > max_diff:
                     max_diff = d
                     i_diff = i
@@ -154,6 +157,7 @@ def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs
         row[_MAX_ERR_A] = max_err_a
         row[_MAX_ERR_B] = max_err_b
         row[_SQ_E] = sq_e
+        row[_DIFF_RATIO] = diff_ratio
         where[c, 0] = i_diff
         where[c, 1] = i_a
         where[c, 2] = i_b
@@ -252,7 +256,7 @@ def compare_tensor(
         err_native=float(peak[_MAX_ERR_A]), err_manual=float(peak[_MAX_ERR_B]),
         rel_err_native=relative(err2_a), rel_err_manual=relative(err2_b), condition=condition,
         nearer=nearer, nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
-        grad_sum_sq=float(total[_SQ_E]),
+        grad_sum_sq=float(total[_SQ_E]), diff_ratio=float(peak[_DIFF_RATIO]),
     )
     if oracle is not None:
         o = np.asarray(oracle, np.float64).reshape(-1)
@@ -260,3 +264,27 @@ def compare_tensor(
         result.oracle_err_manual = float(np.max(np.abs(b - o), initial=0.0))
         result.oracle_err_exact = float(np.max(np.abs(e - o), initial=0.0))
     return result
+
+
+MAP_CELLS = 32  # a ratio map has at most this many cells a side
+
+
+def ratio_map(native: np.ndarray, manual: np.ndarray, exact: np.ndarray, absum: np.ndarray,
+              native_bound: ModeBound, manual_bound: ModeBound) -> tuple[list[list[float]], list[int]]:
+    """Where in a tensor the modes sit furthest from E, relative to the bound: the tensor as rows
+    (its first axis) by columns (the rest), each cell the largest ratio of the elements it covers,
+    at most MAP_CELLS a side. Returns (cells, [rows per cell, columns per cell])."""
+    e = np.asarray(exact, np.float64)
+    s = np.asarray(absum, np.float64)
+    s_rms = float(np.sqrt(np.mean(s * s))) if s.size else 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0/0: exact where the bound is 0 (N = 1)
+        ratios = [np.abs(np.asarray(mode, np.float64) - e) / (bound.relative * s + bound.floor(s_rms))
+                  for mode, bound in ((native, native_bound), (manual, manual_bound))]
+    worst = np.nan_to_num(np.maximum(*ratios), nan=0.0, posinf=np.inf)
+    grid = worst.reshape(1, -1) if worst.ndim < 2 else worst.reshape(worst.shape[0], -1)
+    rows, cols = grid.shape
+    step_r, step_c = -(-rows // MAP_CELLS), -(-cols // MAP_CELLS)
+    pad = np.full((-(-rows // step_r) * step_r, -(-cols // step_c) * step_c), 0.0)
+    pad[:rows, :cols] = grid
+    cells = pad.reshape(pad.shape[0] // step_r, step_r, pad.shape[1] // step_c, step_c).max(axis=(1, 3))
+    return cells.tolist(), [step_r, step_c]

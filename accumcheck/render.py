@@ -14,8 +14,9 @@ from rich.text import Text
 
 from .crosscheck import CrossReport
 from .report import KIND_ORDER, Report, TensorResult
+from .sweep import SweepReport
 
-FORMATS = ("table", "json", "markdown", "csv")
+FORMATS = ("table", "json", "markdown", "csv", "html")
 _STYLE = {"identical": "green", "round-off": "cyan", "diverged": "bold red", "non-finite": "bold magenta"}
 
 
@@ -244,8 +245,77 @@ def cross_markdown(cross: CrossReport) -> str:
     return "\n".join(out)
 
 
-def render(report: "Report | CrossReport", fmt: str) -> str:
-    """The report (or cross-framework report) as text in ``fmt`` (one of FORMATS)."""
+def sweep_table(sweep: SweepReport) -> Table:
+    rows = sweep.rows()
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    first = sweep.reports[0]
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False,
+                  title=f"{first.case}, {first.framework}: worst error of each kind, in units of u·S")
+    for title in ["N", "bound", "√N"] + [f"{k} {m}" for k in kinds for m in ("native", "manual", "|A-B|")] + ["flagged"]:
+        table.add_column(title, justify="left" if title == "flagged" else "right")
+    for row in rows:
+        cells = [str(row["N"]), num(row["bound"]), num(row["sqrt_N"])]
+        for k in kinds:
+            entry = row["kinds"].get(k, {})
+            cells += [num(entry.get(m)) for m in ("native", "manual", "difference")]
+        cells.append(Text(", ".join(row["flagged"]) or "-", style="bold red" if row["flagged"] else ""))
+        table.add_row(*cells)
+    return table
+
+
+def sweep_summary(sweep: SweepReport) -> str:
+    if sweep.flagged:
+        steps = sorted({n for n, _ in sweep.flagged})
+        names = sorted({name for _, name in sweep.flagged})
+        return f"FLAGGED at N = {', '.join(map(str, steps))}: {', '.join(names)}"
+    rows = sweep.rows()
+    below = all(entry[m] <= row["bound"] for row in rows for entry in row["kinds"].values() for m in ("native", "manual"))
+    return (f"OK at every N ({', '.join(str(r.accum_steps) for r in sweep.reports)}); errors "
+            + ("below the bound throughout" if below else "above the bound somewhere"))
+
+
+def sweep_markdown(sweep: SweepReport) -> str:
+    rows = sweep.rows()
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    first = sweep.reports[0]
+    out = [f"## accumcheck sweep: {first.case} ({first.framework}, {first.device})", "",
+           "Worst error of each tensor kind against the float64 sum E, in units of u·S "
+           "(the bound is γ(N−1)/u ≈ N − 1; typical round-off grows like √N).", ""]
+    cols = ["N", "bound", "√N"] + [f"{k} {m}" for k in kinds for m in ("native", "manual", "abs(A-B)")] + ["flagged"]
+    out.append("| " + " | ".join(cols) + " |")
+    out.append("|" + "|".join("---:" for _ in cols[:-1]) + "|---|")
+    for row in rows:
+        cells = [str(row["N"]), num(row["bound"]), num(row["sqrt_N"])]
+        for k in kinds:
+            entry = row["kinds"].get(k, {})
+            cells += [num(entry.get(m)) for m in ("native", "manual", "difference")]
+        out.append("| " + " | ".join(cells + [", ".join(row["flagged"]) or "-"]) + " |")
+    out += ["", f"**{sweep_summary(sweep)}**", ""]
+    return "\n".join(out)
+
+
+def render_sweep_table(sweep: SweepReport, console: Console) -> None:
+    console.print(sweep_table(sweep))
+    console.print(Group(Text(""), Text(sweep_summary(sweep), style="bold red" if sweep.flagged else "bold green")))
+
+
+def render(report: "Report | CrossReport | SweepReport", fmt: str) -> str:
+    """The report (cross-framework report, sweep) as text in ``fmt`` (one of FORMATS)."""
+    if fmt == "html":
+        from .html import html_report
+
+        return html_report(report)
+    if isinstance(report, SweepReport):
+        if fmt == "json":
+            return report.to_json()
+        if fmt == "markdown":
+            return sweep_markdown(report)
+        if fmt == "csv":
+            return "".join(csv_text(r) if i == 0 else csv_text(r).split("\n", 1)[1]
+                           for i, r in enumerate(report.reports))
+        console = Console(file=io.StringIO(), width=160, color_system=None, force_terminal=False)
+        render_sweep_table(report, console)
+        return console.file.getvalue()
     if isinstance(report, CrossReport):
         if fmt == "json":
             return report.to_json()
@@ -266,9 +336,11 @@ def render(report: "Report | CrossReport", fmt: str) -> str:
     return table_text(report)
 
 
-def render_console(report: "Report | CrossReport", console: Console) -> None:
+def render_console(report: "Report | CrossReport | SweepReport", console: Console) -> None:
     """Draw the table format on a live console (colours where it has them)."""
-    if isinstance(report, CrossReport):
+    if isinstance(report, SweepReport):
+        render_sweep_table(report, console)
+    elif isinstance(report, CrossReport):
         render_cross_table(report, console)
     else:
         render_table(report, console)

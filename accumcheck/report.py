@@ -64,6 +64,9 @@ class TensorResult:
     nearer: str  # "native", "manual" or "tie" (smaller L2 error against E)
     nonfinite_native: int
     nonfinite_manual: int
+    diff_ratio: float = 0.0  # worst |native - manual| / (bound_native + bound_manual)
+    ratio_map: list[list[float]] | None = None  # where the worst ratios sit (compare.ratio_map)
+    ratio_map_cell: list[int] | None = None  # [rows, columns] of the tensor per map cell
     grad_sum_sq: float = 0.0  # sum of E^2 over the tensor
     norm_share: float = 0.0  # this tensor's share of the whole gradient's sum of squares (of E)
     oracle_err_native: float | None = None  # max |mode - O|, O = the whole model in float64
@@ -175,13 +178,20 @@ def _encode(obj: Any) -> Any:
 
 
 _FLOAT_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_TENSOR_FLOATS = {f.name for f in dataclasses.fields(TensorResult) if "float" in str(f.type)}
+_TENSOR_FLOATS = {f.name for f in dataclasses.fields(TensorResult) if str(f.type).startswith("float")}
+
+
+def _decode_value(key: str, value: Any) -> Any:
+    if key == "ratio_map" and isinstance(value, list):
+        return [[_FLOAT_WORDS.get(c, c) if isinstance(c, str) else c for c in row] for row in value]
+    if key in _TENSOR_FLOATS and isinstance(value, str):
+        return _FLOAT_WORDS.get(value, value)
+    return value
 
 
 def _decode(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
-    data["tensors"] = [{k: (_FLOAT_WORDS.get(v, v) if k in _TENSOR_FLOATS and isinstance(v, str) else v)
-                        for k, v in t.items()} for t in data.get("tensors", [])]
+    data["tensors"] = [{k: _decode_value(k, v) for k, v in t.items()} for t in data.get("tensors", [])]
     if isinstance(data.get("seconds"), str):
         data["seconds"] = _FLOAT_WORDS.get(data["seconds"], data["seconds"])
     return data
@@ -200,6 +210,13 @@ def load_report(path: str | Path) -> "Report | CrossReport":
                               "pass a report written with --format json") from None
     if not isinstance(data, dict):
         raise AccumcheckError(f"{path}: not an accumcheck report (top level is not an object)")
+    if data.get("kind") == "sweep":
+        from .sweep import SweepReport
+
+        try:
+            return SweepReport.from_dict(data, str(path))
+        except (TypeError, KeyError) as exc:
+            raise AccumcheckError(f"{path}: not an accumcheck sweep report ({exc})") from None
     if data.get("kind") == "cross":
         from .crosscheck import CrossReport
 
@@ -214,7 +231,10 @@ def write_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)

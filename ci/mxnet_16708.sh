@@ -30,5 +30,11 @@ if [ "$new_rc" -ne 0 ]; then
 fi
 "$venv/bin/accumcheck" show "$reports/mxnet-1.6.0.json" | tail -n 1
 "$new" show "$reports/mxnet-1.9.1.json" | tail -n 1
-[ "$failed" -eq 0 ] && echo "mxnet_16708: 2 passed, 0 failed" || echo "mxnet_16708: FAILED"
+# accumcheck diff names what changed verdict between the two releases.
+changes=$("$new" diff "$reports/mxnet-1.6.0.json" "$reports/mxnet-1.9.1.json")
+echo "$changes" | tail -n 1
+if ! echo "$changes" | grep -q "shared.weight (diverged -> round-off)"; then
+    echo "FAIL: accumcheck diff does not name shared.weight going from diverged to round-off"; failed=1
+fi
+[ "$failed" -eq 0 ] && echo "mxnet_16708: 3 passed, 0 failed" || echo "mxnet_16708: FAILED"
 exit "$failed"
