@@ -8,7 +8,6 @@ import pytest
 
 from conftest import needs_torch, run_cli
 
-import accumcheck
 from accumcheck.plots import figures, growth, save
 from accumcheck.sweep import sweep
 
