@@ -12,7 +12,7 @@ import numpy as np
 
 from .backends import get_backend
 from .backends.base import Progress, RunResult
-from .bounds import ModeBound
+from .bounds import UNIT_ROUNDOFF, ModeBound
 from .cases import Case, resolve_case
 from .compare import compare_tensor, ratio_map
 from .crosscheck import CrossReport, agreement, forward_agreement
@@ -34,6 +34,8 @@ def compare(
     progress: Progress | None = None,
     hybridize: bool = True,
     grad_norms: str | Path | None = None,
+    dtype: str = "float32",
+    accum_dtype: str = "float32",
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
@@ -41,14 +43,20 @@ def compare(
     ``hybridize`` applies to MXNet (Gluon ``hybridize(static_alloc=True)``); other frameworks
     ignore it. ``grad_norms`` names a TensorBoard log folder for the per-layer gradient norms of
     both modes (tags ``grad_norm_native/<layer>``, ``grad_norm_manual/<layer>``, step N).
+    ``dtype`` is that of the parameters and gradients (so of the native accumulation: float32,
+    bfloat16 or float16), ``accum_dtype`` that of the manual buffer (float32 or float64).
     Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
     the_case, steps, fault = _prepare(case, accum_steps, seed, inject)
     backend = get_backend(framework)
     writer = ScalarWriter(str(grad_norms)) if grad_norms is not None else None  # fails before the run
+    for flag, value, allowed in (("--dtype", dtype, ("float32", "bfloat16", "float16")),
+                                 ("--accum-dtype", accum_dtype, ("float32", "float64"))):
+        if value not in allowed:
+            raise AccumcheckError(f"{flag}: {value!r} is not one of {', '.join(allowed)}")
     run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
-                      options={"hybridize": hybridize})
+                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype})
     if writer is not None:
         names = [p.name for p in run.params]
         for mode in ("native", "manual"):
@@ -115,8 +123,13 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
 
     native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_kernel_allowance)
     manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
-    tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum,
-                              native_bound, manual_bound, p.oracle) for p in run.params]
+    # Parameters below float32 (bfloat16, float16): judge native against float32's bound too, the
+    # precision a float32 buffer would have kept. (A float64 buffer does not make float32 a loss.)
+    reference = None
+    if UNIT_ROUNDOFF[run.param_dtype] > UNIT_ROUNDOFF["float32"]:
+        reference = ModeBound.for_sum("float32", accum_steps)
+    tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, native_bound, manual_bound,
+                              p.oracle, reference_bound=reference) for p in run.params]
     whole = sum(t.grad_sum_sq for t in tensors)
     for t in tensors:
         t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0

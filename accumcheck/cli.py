@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="micro-steps to accumulate (default: the case's own)")
     run.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=False,
                      help="also run the whole model in float64 (default: off)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                     help="parameters and gradients, so the native accumulation (default: %(default)s)")
+    run.add_argument("--accum-dtype", choices=("float32", "float64"), default="float32",
+                     help="the manual buffer (default: %(default)s)")
     run.add_argument("--grad-norms", metavar="DIR",
                      help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
@@ -166,7 +170,8 @@ def _compare(args: argparse.Namespace) -> int:
         else:
             report = compare(case=args.case, framework=frameworks[0], accum_steps=args.accum_steps,
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
-                             progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms)
+                             progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms,
+                             dtype=args.dtype, accum_dtype=args.accum_dtype)
     _emit(report, args)
     if args.plot:
         _plots(report, args.plot)

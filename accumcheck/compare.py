@@ -190,10 +190,14 @@ def compare_tensor(
     native_bound: ModeBound,
     manual_bound: ModeBound,
     oracle: np.ndarray | None = None,
+    reference_bound: ModeBound | None = None,
 ) -> TensorResult:
     """Judge one parameter tensor. ``exact`` (E) and ``absum`` (S) are float64 sums of the
     micro-gradients; the bounds say how far from E each mode may be by round-off alone.
-    Returns the TensorResult with every statistic and the verdict."""
+    ``reference_bound`` (for native parameters of a lower precision than the accumulation dtype)
+    is the bound of the accumulation dtype: a native sum within its own dtype's round-off but
+    beyond that one gets the verdict ``precision-loss``, and both modes' errors are reported in
+    float32 ulps. Returns the TensorResult with every statistic and the verdict."""
     shape = tuple(np.shape(exact))
     a, b = _as_float(native), _as_float(manual)
     if a.dtype != b.dtype:
@@ -258,6 +262,11 @@ def compare_tensor(
         nearer=nearer, nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
         grad_sum_sq=float(total[_SQ_E]), diff_ratio=float(peak[_DIFF_RATIO]),
     )
+    if reference_bound is not None and verdict != "non-finite":
+        result.precision_ratio, result.err_ulps_native, result.err_ulps_manual = _precision(
+            a, b, e, s, reference_bound, s_rms)
+        if verdict in ("identical", "round-off") and result.precision_ratio > 1.0:
+            result.verdict = "precision-loss"
     if oracle is not None:
         o = np.asarray(oracle, np.float64).reshape(-1)
         result.oracle_err_native = float(np.max(np.abs(a - o), initial=0.0))
@@ -288,3 +297,17 @@ def ratio_map(native: np.ndarray, manual: np.ndarray, exact: np.ndarray, absum: 
     pad[:rows, :cols] = grid
     cells = pad.reshape(pad.shape[0] // step_r, step_r, pad.shape[1] // step_c, step_c).max(axis=(1, 3))
     return cells.tolist(), [step_r, step_c]
+
+
+def _precision(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, bound: ModeBound,
+               s_rms: float) -> tuple[float, float, float]:
+    """Native's worst error over ``bound`` (the accumulation dtype's), and each mode's worst error
+    against E in float32 ulps of E (of the mean term S/N where E cancels below it)."""
+    # An ulp of E's float32 value; where the sum cancels below its mean term S/N, of S/N.
+    floor = s / max(bound.roundings + 1, 1)
+    ulp = np.spacing(np.maximum(np.abs(e), floor).astype(np.float32)).astype(np.float64)
+    err_a, err_b = np.abs(a - e), np.abs(b - e)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.nan_to_num(err_a / (bound.relative * s + bound.floor(s_rms)), nan=0.0, posinf=np.inf)
+    return (float(ratio.max(initial=0.0)), float((err_a / ulp).max(initial=0.0)),
+            float((err_b / ulp).max(initial=0.0)))

@@ -17,7 +17,8 @@ from .report import KIND_ORDER, Report, TensorResult
 from .sweep import SweepReport
 
 FORMATS = ("table", "json", "markdown", "csv", "html")
-_STYLE = {"identical": "green", "round-off": "cyan", "diverged": "bold red", "non-finite": "bold magenta"}
+_STYLE = {"identical": "green", "round-off": "cyan", "precision-loss": "bold yellow", "diverged": "bold red",
+          "non-finite": "bold magenta"}
 
 
 def num(x: float | None) -> str:
@@ -69,9 +70,11 @@ def summary_line(report: Report) -> str:
     n = len(report.tensors)
     flagged = report.flagged
     if flagged:
-        named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (f", {num(t.ratio)}x bound)" if t.verdict == "diverged"
-                                                                  else ")") for t in flagged)
-        return f"FLAGGED {len(flagged)} of {n} tensors: {named}"
+        named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
+            f", {num(t.ratio)}x bound)" if t.verdict == "diverged" else
+            f", {num(t.err_ulps_native)} float32 ulps)" if t.verdict == "precision-loss" else ")") for t in flagged[:8])
+        more = f" and {len(flagged) - 8} more" if len(flagged) > 8 else ""
+        return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
     counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off")}
     ill = sum(t.ill_conditioned for t in report.tensors)
     parts = [f"{c} {v}" for v, c in counts.items() if c]
@@ -103,6 +106,9 @@ def tensor_details(t: TensorResult) -> list[str]:
     lines.append(f"  Error against the float64 sum E: native {num(t.err_native)} (ratio {num(t.ratio_native)}), "
                  f"manual {num(t.err_manual)} (ratio {num(t.ratio_manual)})"
                  + ("" if t.nearer == "tie" else f"; {t.nearer} is nearer"))
+    if t.precision_ratio is not None:
+        lines.append(f"  Against float32's bound (what a float32 buffer keeps): native {num(t.precision_ratio)}x it; error against E in "
+                     f"float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")
     if t.oracle_err_native is not None:
         lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
                      f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")

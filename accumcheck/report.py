@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from .crosscheck import CrossReport
 
 SCHEMA_VERSION = 1
-VERDICTS = ("identical", "round-off", "diverged", "non-finite")
-FLAGGED_VERDICTS = ("diverged", "non-finite")
+VERDICTS = ("identical", "round-off", "precision-loss", "diverged", "non-finite")
+# precision-loss: within the round-off of its own (reduced) dtype, beyond that of the accumulation dtype
+FLAGGED_VERDICTS = ("precision-loss", "diverged", "non-finite")
 # Tensor kinds in the order a summary names them: embeddings and weights first.
 KIND_ORDER = ("embedding", "weight", "bias", "norm")
 
@@ -65,6 +66,9 @@ class TensorResult:
     nonfinite_native: int
     nonfinite_manual: int
     diff_ratio: float = 0.0  # worst |native - manual| / (bound_native + bound_manual)
+    precision_ratio: float | None = None  # native's worst error over the accumulation dtype's bound
+    err_ulps_native: float | None = None  # worst |native - E| in float32 ulps of E (reduced precision runs)
+    err_ulps_manual: float | None = None
     ratio_map: list[list[float]] | None = None  # where the worst ratios sit (compare.ratio_map)
     ratio_map_cell: list[int] | None = None  # [rows, columns] of the tensor per map cell
     grad_sum_sq: float = 0.0  # sum of E^2 over the tensor

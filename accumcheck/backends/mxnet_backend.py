@@ -163,6 +163,11 @@ class MXNetBackend(Backend):
             options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
         ctx = resolve_context(device)
         hybridize = (options or {}).get("hybridize", True)
+        for key in ("dtype", "accum_dtype"):
+            if (options or {}).get(key, "float32") != "float32":
+                raise AccumcheckError(f"--{key.replace('_', '-')} {options[key]}: the MXNet backend runs float32 only "
+                                      "(MXNet 1.x has no bfloat16 kernels on the CPU for these operators); "
+                                      "use --framework torch for reduced precision")
         weights = case.weights() if weights is None else weights
         kinds = {p.name: p.kind for p in case.parameters()}
         block = _prepared(case, weights, "float32", ctx, hybridize)

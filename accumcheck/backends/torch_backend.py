@@ -151,18 +151,21 @@ class TorchBackend(Backend):
         import torch
 
         dev = resolve_device(device)
+        options = options or {}
+        dtype_name, accum_name = options.get("dtype", "float32"), options.get("accum_dtype", "float32")
+        dtype, accum = getattr(torch, dtype_name), getattr(torch, accum_name)
         weights = case.weights() if weights is None else weights
         kinds = {p.name: p.kind for p in case.parameters()}
         with deterministic(dev) as settings, torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            model = build_model(case, weights, torch.float32, dev)
-            sums = _accumulate(case, model, accum_steps, dev, fault, progress, "native + manual")
+            model = build_model(case, weights, dtype, dev)
+            sums = _accumulate(case, model, accum_steps, dev, fault, progress, "native + manual", accum)
             exact_oracle = None
             if oracle:
                 model64 = build_model(case, weights, torch.float64, dev)
                 exact_oracle = _accumulate(case, model64, accum_steps, dev, None, progress, "float64 oracle")
             with torch.no_grad():
                 batch = case.batch(0)
-                logits = _numpy(model(_inputs(batch.inputs, dev, torch.float32)))
+                logits = _numpy(model(_inputs(batch.inputs, dev, dtype)))
             params = []
             for name, param in model.canonical.items():
                 manual, exact, absum = sums["buffers"][name]
@@ -180,7 +183,7 @@ class TorchBackend(Backend):
             name = "cpu"
         settings["requested_device"] = device
         return RunResult(params=params, framework="torch", versions=self.versions(), device=name,
-                         param_dtype="float32", accum_dtype="float32", native_kernel_allowance=0.0,
+                         param_dtype=dtype_name, accum_dtype=accum_name, native_kernel_allowance=0.0,
                          losses=losses, settings=settings, first_logits=logits)
 
 
@@ -210,13 +213,13 @@ class _StepRecorder:
     backward the whole step goes into flat buffers with one concatenation and one fused pass
     (three adds on CUDA), instead of three small operations per parameter inside the backward."""
 
-    def __init__(self, params: dict[str, Any]) -> None:
+    def __init__(self, params: dict[str, Any], accum_dtype: Any = None) -> None:
         import torch
 
         self.params = params
         first = next(iter(params.values()))
         total = sum(p.numel() for p in params.values())
-        self.manual = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
         self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.step = torch.empty(total, dtype=first.dtype, device=first.device)
@@ -232,7 +235,7 @@ class _StepRecorder:
                 grads.setdefault(name, torch.zeros_like(p))
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
-        if self.step.device.type == "cpu":
+        if self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
             add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
         else:
             self.manual.add_(self.step)
@@ -250,7 +253,7 @@ class _StepRecorder:
 
 
 def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None,
-                progress: Progress | None, phase: str) -> dict[str, Any]:
+                progress: Progress | None, phase: str, accum_dtype: Any = None) -> dict[str, Any]:
     """Stream the case's micro-steps through ``model``; see ``accumulate``."""
     import torch
 
@@ -261,18 +264,18 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
         labels = torch.from_numpy(batch.labels).to(dev)
         return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels)
 
-    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase)
+    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype)
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
-               progress: Progress | None, phase: str) -> dict[str, Any]:
+               progress: Progress | None, phase: str, accum_dtype: Any = None) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
-    natively while the hooks feed manual, E and S. ``params`` maps names to leaf parameters,
-    whose ``.grad`` is reset first. Returns {"buffers": name -> (manual, exact, absum),
+    natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
+    ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. Returns {"buffers": name -> (manual, exact, absum),
     "native": name -> accumulated .grad, "loss": mean loss}."""
     import torch
 
-    recorder = _StepRecorder(params)
+    recorder = _StepRecorder(params, accum_dtype)
     handles = []
     state = {"step": 0}
     injector = None
@@ -319,7 +322,13 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
 
 
 def _numpy(tensor: Any) -> np.ndarray:
-    return tensor.detach().cpu().numpy()
+    """A host copy; bfloat16 and float16 become float32 (exactly), numpy having no bfloat16."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.float()
+    return tensor.cpu().numpy()
 
 
 BACKEND_CLASS = TorchBackend
