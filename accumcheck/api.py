@@ -36,6 +36,7 @@ def compare(
     grad_norms: str | Path | None = None,
     dtype: str = "float32",
     accum_dtype: str = "float32",
+    mode: str = "native",
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
@@ -45,6 +46,8 @@ def compare(
     both modes (tags ``grad_norm_native/<layer>``, ``grad_norm_manual/<layer>``, step N).
     ``dtype`` is that of the parameters and gradients (so of the native accumulation: float32,
     bfloat16 or float16), ``accum_dtype`` that of the manual buffer (float32 or float64).
+    ``mode`` fills the native slot: "native" (the framework's own accumulation), "accumulator"
+    or "compensated" (``accumcheck.torch.GradAccumulator``, PyTorch only).
     Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
@@ -52,11 +55,12 @@ def compare(
     backend = get_backend(framework)
     writer = ScalarWriter(str(grad_norms)) if grad_norms is not None else None  # fails before the run
     for flag, value, allowed in (("--dtype", dtype, ("float32", "bfloat16", "float16")),
-                                 ("--accum-dtype", accum_dtype, ("float32", "float64"))):
+                                 ("--accum-dtype", accum_dtype, ("float32", "float64")),
+                                 ("--mode", mode, ("native", "accumulator", "compensated"))):
         if value not in allowed:
             raise AccumcheckError(f"{flag}: {value!r} is not one of {', '.join(allowed)}")
     run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
-                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype})
+                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype, "mode": mode})
     if writer is not None:
         names = [p.name for p in run.params]
         for mode in ("native", "manual"):
@@ -128,8 +132,9 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     reference = None
     if UNIT_ROUNDOFF[run.param_dtype] > UNIT_ROUNDOFF["float32"]:
         reference = ModeBound.for_sum("float32", accum_steps)
+    ulps = run.settings.get("mode", "native") != "native"  # how close a GradAccumulator gets
     tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, native_bound, manual_bound,
-                              p.oracle, reference_bound=reference) for p in run.params]
+                              p.oracle, reference_bound=reference, ulps=ulps) for p in run.params]
     whole = sum(t.grad_sum_sq for t in tensors)
     for t in tensors:
         t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0

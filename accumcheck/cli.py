@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="parameters and gradients, so the native accumulation (default: %(default)s)")
     run.add_argument("--accum-dtype", choices=("float32", "float64"), default="float32",
                      help="the manual buffer (default: %(default)s)")
+    run.add_argument("--mode", choices=("native", "accumulator", "compensated"), default="native",
+                     help="what is compared with the manual buffer: the framework's own accumulation, or "
+                          "accumcheck.torch.GradAccumulator, plain or compensated (default: %(default)s)")
     run.add_argument("--grad-norms", metavar="DIR",
                      help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
@@ -171,7 +174,7 @@ def _compare(args: argparse.Namespace) -> int:
             report = compare(case=args.case, framework=frameworks[0], accum_steps=args.accum_steps,
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
                              progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms,
-                             dtype=args.dtype, accum_dtype=args.accum_dtype)
+                             dtype=args.dtype, accum_dtype=args.accum_dtype, mode=args.mode)
     _emit(report, args)
     if args.plot:
         _plots(report, args.plot)

@@ -191,13 +191,15 @@ def compare_tensor(
     manual_bound: ModeBound,
     oracle: np.ndarray | None = None,
     reference_bound: ModeBound | None = None,
+    ulps: bool = False,
 ) -> TensorResult:
     """Judge one parameter tensor. ``exact`` (E) and ``absum`` (S) are float64 sums of the
     micro-gradients; the bounds say how far from E each mode may be by round-off alone.
     ``reference_bound`` (for native parameters of a lower precision than the accumulation dtype)
     is the bound of the accumulation dtype: a native sum within its own dtype's round-off but
     beyond that one gets the verdict ``precision-loss``, and both modes' errors are reported in
-    float32 ulps. Returns the TensorResult with every statistic and the verdict."""
+    float32 ulps (``ulps`` asks for those alone). Returns the TensorResult with every statistic
+    and the verdict."""
     shape = tuple(np.shape(exact))
     a, b = _as_float(native), _as_float(manual)
     if a.dtype != b.dtype:
@@ -262,11 +264,13 @@ def compare_tensor(
         nearer=nearer, nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
         grad_sum_sq=float(total[_SQ_E]), diff_ratio=float(peak[_DIFF_RATIO]),
     )
-    if reference_bound is not None and verdict != "non-finite":
-        result.precision_ratio, result.err_ulps_native, result.err_ulps_manual = _precision(
-            a, b, e, s, reference_bound, s_rms)
-        if verdict in ("identical", "round-off") and result.precision_ratio > 1.0:
-            result.verdict = "precision-loss"
+    if (reference_bound is not None or ulps) and verdict != "non-finite":
+        precision_ratio, result.err_ulps_native, result.err_ulps_manual = _precision(
+            a, b, e, s, reference_bound or native_bound, s_rms)
+        if reference_bound is not None:
+            result.precision_ratio = precision_ratio
+            if verdict in ("identical", "round-off") and precision_ratio > 1.0:
+                result.verdict = "precision-loss"
     if oracle is not None:
         o = np.asarray(oracle, np.float64).reshape(-1)
         result.oracle_err_native = float(np.max(np.abs(a - o), initial=0.0))

@@ -106,6 +106,8 @@ def tensor_details(t: TensorResult) -> list[str]:
     lines.append(f"  Error against the float64 sum E: native {num(t.err_native)} (ratio {num(t.ratio_native)}), "
                  f"manual {num(t.err_manual)} (ratio {num(t.ratio_manual)})"
                  + ("" if t.nearer == "tie" else f"; {t.nearer} is nearer"))
+    if t.precision_ratio is None and t.err_ulps_native is not None:
+        lines.append(f"  Error against E in float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")
     if t.precision_ratio is not None:
         lines.append(f"  Against float32's bound (what a float32 buffer keeps): native {num(t.precision_ratio)}x it; error against E in "
                      f"float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")

@@ -163,6 +163,9 @@ class MXNetBackend(Backend):
             options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
         ctx = resolve_context(device)
         hybridize = (options or {}).get("hybridize", True)
+        if (options or {}).get("mode", "native") != "native":
+            raise AccumcheckError(f"--mode {options['mode']}: GradAccumulator is accumcheck.torch's; "
+                                  "the MXNet backend compares grad_req='add' only")
         for key in ("dtype", "accum_dtype"):
             if (options or {}).get(key, "float32") != "float32":
                 raise AccumcheckError(f"--{key.replace('_', '-')} {options[key]}: the MXNet backend runs float32 only "

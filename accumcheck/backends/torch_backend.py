@@ -158,7 +158,8 @@ class TorchBackend(Backend):
         kinds = {p.name: p.kind for p in case.parameters()}
         with deterministic(dev) as settings, torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             model = build_model(case, weights, dtype, dev)
-            sums = _accumulate(case, model, accum_steps, dev, fault, progress, "native + manual", accum)
+            mode = options.get("mode", "native")
+            sums = _accumulate(case, model, accum_steps, dev, fault, progress, "native + manual", accum, mode)
             exact_oracle = None
             if oracle:
                 model64 = build_model(case, weights, torch.float64, dev)
@@ -169,7 +170,7 @@ class TorchBackend(Backend):
             params = []
             for name, param in model.canonical.items():
                 manual, exact, absum = sums["buffers"][name]
-                native = param.grad if param.grad is not None else torch.zeros_like(param)
+                native = sums["native"][name]
                 params.append(ParamAccumulation(
                     name=name, kind=kinds[name], native=_numpy(native), manual=_numpy(manual),
                     exact=_numpy(exact), absum=_numpy(absum),
@@ -182,8 +183,11 @@ class TorchBackend(Backend):
         else:
             name = "cpu"
         settings["requested_device"] = device
+        settings["mode"] = mode
         return RunResult(params=params, framework="torch", versions=self.versions(), device=name,
-                         param_dtype=dtype_name, accum_dtype=accum_name, native_kernel_allowance=0.0,
+                         # the GradAccumulator sums in float32, whatever the parameters' dtype
+                         param_dtype=dtype_name if mode == "native" else "float32", accum_dtype=accum_name,
+                         native_kernel_allowance=0.0,
                          losses=losses, settings=settings, first_logits=logits)
 
 
@@ -253,7 +257,7 @@ class _StepRecorder:
 
 
 def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None,
-                progress: Progress | None, phase: str, accum_dtype: Any = None) -> dict[str, Any]:
+                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native") -> dict[str, Any]:
     """Stream the case's micro-steps through ``model``; see ``accumulate``."""
     import torch
 
@@ -264,14 +268,16 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
         labels = torch.from_numpy(batch.labels).to(dev)
         return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels)
 
-    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype)
+    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype, mode)
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
-               progress: Progress | None, phase: str, accum_dtype: Any = None) -> dict[str, Any]:
+               progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native") -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
-    ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. Returns {"buffers": name -> (manual, exact, absum),
+    ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
+    what fills the native slot: "native" (``.grad`` accumulating), "accumulator" or
+    "compensated" (``accumcheck.torch.GradAccumulator`` taking each micro-step's ``.grad``). Returns {"buffers": name -> (manual, exact, absum),
     "native": name -> accumulated .grad, "loss": mean loss}."""
     import torch
 
@@ -305,19 +311,29 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
 
     first = next(iter(params.values()))
     loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
+    accumulator = None
+    if mode != "native":
+        from ..torch import GradAccumulator
+
+        accumulator = GradAccumulator(params.values(), compensated=mode == "compensated")
     try:
         for step in range(accum_steps):
             state["step"] = step
             loss = step_loss(step)
             loss.backward()
             recorder.flush()
+            if accumulator is not None:
+                accumulator.add()
             loss_sum += loss.detach()
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
     finally:
         for handle in handles:
             handle.remove()
-    native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
+    if accumulator is not None:
+        native = dict(zip(params, accumulator.totals()))
+    else:
+        native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
     return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps}
 
 
