@@ -37,6 +37,8 @@ def compare(
     dtype: str = "float32",
     accum_dtype: str = "float32",
     mode: str = "native",
+    loss_reduction: str | None = None,
+    full_batch: bool = False,
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
@@ -47,11 +49,16 @@ def compare(
     ``dtype`` is that of the parameters and gradients (so of the native accumulation: float32,
     bfloat16 or float16), ``accum_dtype`` that of the manual buffer (float32 or float64).
     ``mode`` fills the native slot: "native" (the framework's own accumulation), "accumulator"
-    or "compensated" (``accumcheck.torch.GradAccumulator``, PyTorch only).
+    or "compensated" (``accumcheck.torch.GradAccumulator``, PyTorch only). ``loss_reduction``
+    overrides the case's ("mean", "sum" or "token_count"); ``full_batch`` also compares the
+    accumulated gradient with the whole batch's in one backward pass (PyTorch, float64), and a
+    mismatch there (how the loss is normalised) is flagged as semantic.
     Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
     the_case, steps, fault = _prepare(case, accum_steps, seed, inject)
+    if loss_reduction is not None:
+        the_case = the_case.with_reduction(loss_reduction)
     backend = get_backend(framework)
     writer = ScalarWriter(str(grad_norms)) if grad_norms is not None else None  # fails before the run
     for flag, value, allowed in (("--dtype", dtype, ("float32", "bfloat16", "float16")),
@@ -60,7 +67,8 @@ def compare(
         if value not in allowed:
             raise AccumcheckError(f"{flag}: {value!r} is not one of {', '.join(allowed)}")
     run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
-                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype, "mode": mode})
+                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype, "mode": mode,
+                               "full_batch": full_batch})
     if writer is not None:
         names = [p.name for p in run.params]
         for mode in ("native", "manual"):
@@ -151,6 +159,6 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
         framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
         param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
         oracle=oracle, inject=None if fault is None else str(fault),
-        bound={"native": vars(native_bound), "manual": vars(manual_bound)},
+        bound={"native": vars(native_bound), "manual": vars(manual_bound)}, loss_reduction=case.loss_reduction,
         settings=run.settings, losses=run.losses, seconds=round(seconds, 3),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors)

@@ -37,6 +37,8 @@ LAYER_TYPES = (
 ACTIVATIONS = ("relu", "gelu", "tanh")
 PARAM_KINDS = ("embedding", "weight", "bias", "norm")
 LAYERNORM_EPS = 1e-5
+IGNORE_LABEL = -100  # padding positions: no loss, no gradient (PyTorch's ignore_index)
+REDUCTIONS = ("mean", "sum", "token_count")
 
 
 class CaseError(AccumcheckError):
@@ -84,6 +86,7 @@ class InputSpec:
     scale: float = 1.0
     spread: float = 0.0  # >0: every sample is one shared base vector plus spread * noise
     labels: str = "random"  # "random" or "alternate"
+    min_len: int = 0  # tokens: >0 gives each sequence a length in [min_len, seq_len], padded after
     distinct_batches: int = 0  # 0: a fresh batch each micro-step; K: cycle K batches
 
 
@@ -116,6 +119,11 @@ class Case:
     def with_seed(self, seed: int) -> "Case":
         return dataclasses.replace(self, seed=seed)
 
+    def with_reduction(self, reduction: str) -> "Case":
+        if reduction not in REDUCTIONS:
+            raise CaseError(f"--loss-reduction: {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+        return dataclasses.replace(self, loss_reduction=reduction)
+
     @property
     def num_classes(self) -> int:
         return _walk(self.layers, self.input, [], "")[0]
@@ -147,9 +155,14 @@ class Case:
         index = step % spec.distinct_batches if spec.distinct_batches else step
         rng = np.random.default_rng([self.seed, 0xBA7C, index])
         b = spec.batch_size
+        padding = None
         if spec.kind == "tokens":
             inputs = rng.integers(0, spec.vocab, (b, spec.seq_len), dtype=np.int64)
             label_shape: tuple[int, ...] = (b, spec.seq_len)
+            if spec.min_len:
+                lengths = rng.integers(spec.min_len, spec.seq_len + 1, b)
+                padding = np.arange(spec.seq_len)[None, :] >= lengths[:, None]
+                inputs[padding] = 0
         else:
             noise = rng.standard_normal((b, spec.features))
             if spec.spread:
@@ -163,13 +176,22 @@ class Case:
             labels = (np.arange(first, first + int(np.prod(label_shape))) % classes).reshape(label_shape)
         else:
             labels = rng.integers(0, classes, label_shape)
-        return Batch(inputs=inputs, labels=labels.astype(np.int64))
+        labels = labels.astype(np.int64)
+        if padding is not None:
+            labels[padding] = IGNORE_LABEL
+        return Batch(inputs=inputs, labels=labels)
+
+    def token_count(self, steps: int) -> int:
+        """Labelled positions (padding excluded) over the first ``steps`` micro-batches: what a
+        token-normalised loss divides by."""
+        return int(sum((self.batch(k).labels != IGNORE_LABEL).sum() for k in range(steps)))
 
     def to_document(self) -> dict[str, Any]:
         """The case as a TOML-ready document; ``parse_case`` of its TOML gives this case back."""
         spec = self.input
         if spec.kind == "tokens":
-            inp: dict[str, Any] = {"kind": "tokens", "vocab": spec.vocab, "seq_len": spec.seq_len}
+            inp: dict[str, Any] = {"kind": "tokens", "vocab": spec.vocab, "seq_len": spec.seq_len,
+                                   "min_len": spec.min_len}
         else:
             inp = {"kind": "features", "features": spec.features, "scale": spec.scale, "spread": spec.spread}
         inp.update(batch_size=spec.batch_size, labels=spec.labels, distinct_batches=spec.distinct_batches)
@@ -383,7 +405,9 @@ def parse_case(text: str, source: str = "<memory>") -> Case:
     kind = ri.get("kind", str, choices=("tokens", "features"))
     if kind == "tokens":
         inp = InputSpec(kind, ri.positive("batch_size"), vocab=ri.positive("vocab"),
-                        seq_len=ri.positive("seq_len"))
+                        seq_len=ri.positive("seq_len"), min_len=ri.get("min_len", int, 0))
+        if not 0 <= inp.min_len <= inp.seq_len:
+            raise ri.fail("min_len", f"must be between 0 (no padding) and seq_len = {inp.seq_len}, got {inp.min_len}")
     else:
         inp = InputSpec(kind, ri.positive("batch_size"), features=ri.positive("features"),
                         scale=ri.get("scale", float, 1.0), spread=ri.get("spread", float, 0.0))
@@ -398,7 +422,7 @@ def parse_case(text: str, source: str = "<memory>") -> Case:
 
     rl = _Reader(top.get("loss", dict, {}), "[loss].", source)
     rl.get("kind", str, "softmax_cross_entropy", choices=("softmax_cross_entropy",))
-    reduction = rl.get("reduction", str, "mean", choices=("mean", "sum"))
+    reduction = rl.get("reduction", str, "mean", choices=REDUCTIONS)
     rl.finish()
 
     rn = _Reader(top.get("init", dict, {}), "[init].", source)

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("native", "accumulator", "compensated"), default="native",
                      help="what is compared with the manual buffer: the framework's own accumulation, or "
                           "accumcheck.torch.GradAccumulator, plain or compensated (default: %(default)s)")
+    run.add_argument("--loss-reduction", choices=("mean", "sum", "token_count"),
+                     help="override the case's loss normalisation (token_count: divide by the accumulation's tokens)")
+    run.add_argument("--full-batch", action="store_true",
+                     help="also compare with the whole batch's gradient in one backward pass (float64, PyTorch)")
     run.add_argument("--grad-norms", metavar="DIR",
                      help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
@@ -174,7 +178,8 @@ def _compare(args: argparse.Namespace) -> int:
             report = compare(case=args.case, framework=frameworks[0], accum_steps=args.accum_steps,
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
                              progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms,
-                             dtype=args.dtype, accum_dtype=args.accum_dtype, mode=args.mode)
+                             dtype=args.dtype, accum_dtype=args.accum_dtype, mode=args.mode,
+                             loss_reduction=args.loss_reduction, full_batch=args.full_batch)
     _emit(report, args)
     if args.plot:
         _plots(report, args.plot)

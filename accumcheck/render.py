@@ -61,14 +61,27 @@ def header_lines(report: Report) -> list[str]:
     ]
     if report.inject:
         lines.append(f"injected fault: {report.inject}")
+    if report.settings.get("full_batch"):
+        lines.append(full_batch_line(report))
     lines.append(f"reproduce: {report.reproduce_command()}")
     return lines
+
+
+def full_batch_line(report: Report) -> str:
+    f = report.settings["full_batch"]
+    verdict = "equivalent" if f["equivalent"] else "SEMANTIC MISMATCH (the loss normalisation, not round-off)"
+    return (f"full batch: loss '{f['normalisation']}', accumulated sum x {f['accumulated_scaled_by']} against one "
+            f"backward over the whole batch (float64): largest difference {num(f['max_relative_difference'])} of the "
+            f"gradient's scale, at {f['worst_tensor']}: {verdict}")
 
 
 def summary_line(report: Report) -> str:
     """One line: what was flagged (embeddings and weights first), or that all is faithful."""
     n = len(report.tensors)
     flagged = report.flagged
+    if report.semantic_mismatch and not flagged:
+        return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.loss_reduction}'; "
+                f"every tensor is numerically faithful)")
     if flagged:
         named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
             f", {num(t.ratio)}x bound)" if t.verdict == "diverged" else
@@ -138,13 +151,15 @@ def rich_table(report: Report) -> Table:
 
 def render_table(report: Report, console: Console) -> None:
     """Header, per-parameter table, details of flagged and ill-conditioned tensors, summary."""
-    console.print(Text("\n".join(header_lines(report)), style="dim"))
+    # soft_wrap: long lines (the reproduce command above all) stay whole, for copying.
+    console.print(Text("\n".join(header_lines(report)), style="dim"), soft_wrap=True)
     console.print(rich_table(report))
     noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
     for t in noteworthy:
-        console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""))
-    style = "bold red" if report.flagged else "bold green"
-    console.print(Group(Text(""), Text(summary_line(report), style=style)))
+        console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""), soft_wrap=True)
+    style = "bold red" if report.exit_code else "bold green"
+    console.print()
+    console.print(Text(summary_line(report), style=style), soft_wrap=True)
 
 
 def table_text(report: Report, width: int = 160) -> str:

@@ -110,6 +110,7 @@ class Report:
     seconds: float
     created: str
     tensors: list[TensorResult] = field(default_factory=list)
+    loss_reduction: str = "mean"
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -120,9 +121,14 @@ class Report:
                                            -_finite_or_max(t.ratio)))
 
     @property
+    def semantic_mismatch(self) -> bool:
+        """The full-batch check ran and the accumulated gradient is not the whole batch's."""
+        return self.settings.get("full_batch", {}).get("equivalent") is False
+
+    @property
     def exit_code(self) -> int:
-        """0 when every tensor is faithful, 1 when any is flagged."""
-        return 1 if self.flagged else 0
+        """0 when every tensor is faithful (and the full-batch check, if run, agrees), else 1."""
+        return 1 if self.flagged or self.semantic_mismatch else 0
 
     def reproduce_command(self) -> str:
         """The CLI line that reruns this comparison (for a user's own model: the call)."""
@@ -135,6 +141,8 @@ class Report:
             parts.append("--oracle")
         if self.settings.get("hybridize") is False:
             parts.append("--no-hybridize")
+        if self.settings.get("full_batch"):
+            parts.append(f"--full-batch --loss-reduction {self.loss_reduction}")
         if self.inject:
             parts.append(f"--inject {self.inject.split('@')[0]}")
         return " ".join(parts)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..cases import LAYERNORM_EPS, Case, Layer
+from ..cases import IGNORE_LABEL, LAYERNORM_EPS, Case, Layer
 from ..errors import AccumcheckError
 from ..faults import Fault, FaultInjector, round_to_bfloat16
 from ..kernels import add_step
@@ -144,12 +144,17 @@ def _attention(F: Any, x: Any, dense: Any, name: str, heads: int, out_proj: bool
     return y
 
 
-def case_loss(case: Case, logits: Any, labels: Any) -> Any:
-    """Softmax cross-entropy over every position, as torch.nn.functional.cross_entropy computes it."""
+def case_loss(case: Case, logits: Any, labels: Any, total_tokens: int | None = None) -> Any:
+    """Softmax cross-entropy, padding ignored, as torch.nn.functional.cross_entropy computes it."""
     mx = _mx()
     classes = case.num_classes
-    picked = mx.nd.pick(mx.nd.log_softmax(logits.reshape((-1, classes)), axis=-1), labels.reshape((-1,)), axis=-1)
-    return -(picked.mean() if case.loss_reduction == "mean" else picked.sum())
+    flat = labels.reshape((-1,))
+    kept = flat != IGNORE_LABEL
+    picked = mx.nd.pick(mx.nd.log_softmax(logits.reshape((-1, classes)), axis=-1), mx.nd.maximum(flat, 0), axis=-1)
+    total = -(picked * kept).sum()
+    if case.loss_reduction == "token_count":
+        return total / total_tokens
+    return total / kept.sum() if case.loss_reduction == "mean" else total
 
 
 class MXNetBackend(Backend):
@@ -163,6 +168,9 @@ class MXNetBackend(Backend):
             options: dict[str, Any] | None = None, weights: dict[str, np.ndarray] | None = None) -> RunResult:
         ctx = resolve_context(device)
         hybridize = (options or {}).get("hybridize", True)
+        if (options or {}).get("full_batch"):
+            raise AccumcheckError("--full-batch: the full-batch reference is computed by the PyTorch backend; "
+                                  "use --framework torch")
         if (options or {}).get("mode", "native") != "native":
             raise AccumcheckError(f"--mode {options['mode']}: GradAccumulator is accumcheck.torch's; "
                                   "the MXNet backend compares grad_req='add' only")
@@ -174,10 +182,10 @@ class MXNetBackend(Backend):
         weights = case.weights() if weights is None else weights
         kinds = {p.name: p.kind for p in case.parameters()}
         block = _prepared(case, weights, "float32", ctx, hybridize)
-        native, native_loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float32"), accum_steps,
+        native, native_loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float32", accum_steps), accum_steps,
                                              ctx, fault, progress)
         block = _prepared(case, weights, "float32", ctx, hybridize)
-        manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, _case_step(case, block, ctx, "float32"),
+        manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, _case_step(case, block, ctx, "float32", accum_steps),
                                                                 accum_steps, ctx, progress)
         settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize, "requested_device": device,
                                     "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
@@ -201,8 +209,9 @@ class MXNetBackend(Backend):
 StepFn = Callable[[int], tuple[Any, Any]]
 
 
-def _case_step(case: Case, block: Any, ctx: Any, dtype: str) -> StepFn:
+def _case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 0) -> StepFn:
     mx = _mx()
+    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
 
     def step(index: int) -> tuple[Any, Any]:
         batch = case.batch(index)
@@ -210,7 +219,7 @@ def _case_step(case: Case, block: Any, ctx: Any, dtype: str) -> StepFn:
         inputs = mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype)
         labels = mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
         out = block(inputs)
-        return case_loss(case, out, labels), out
+        return case_loss(case, out, labels, total), out
 
     return step
 
@@ -334,7 +343,7 @@ def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: boo
     mx = _mx()
     try:
         block = _prepared(case, weights, "float64", ctx, hybridize)
-        grads, loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float64"), accum_steps, ctx,
+        grads, loss, _ = native_pass(block.canonical, _case_step(case, block, ctx, "float64", accum_steps), accum_steps, ctx,
                                      None, progress, phase="float64 oracle")
         return grads, loss, "mxnet float64"
     except mx.base.MXNetError as exc:

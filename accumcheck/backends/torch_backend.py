@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..cases import LAYERNORM_EPS, Case, Layer
+from ..cases import IGNORE_LABEL, LAYERNORM_EPS, Case, Layer
 from ..errors import AccumcheckError
 from ..faults import Fault, FaultInjector
 from ..kernels import add_step
@@ -127,11 +127,15 @@ def _attention(x: Any, params: dict[str, Any], name: str, heads: int, out_proj: 
     return y
 
 
-def case_loss(case: Case, logits: Any, labels: Any) -> Any:
+def case_loss(case: Case, logits: Any, labels: Any, total_tokens: int | None = None) -> Any:
+    """Softmax cross-entropy, padding ignored: the micro-batch's mean or sum, or ("token_count")
+    its sum over ``total_tokens``, the labelled positions of the whole accumulation."""
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           reduction=case.loss_reduction)
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if case.loss_reduction == "token_count":
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_LABEL, reduction="sum") / total_tokens
+    return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_LABEL, reduction=case.loss_reduction)
 
 
 class TorchBackend(Backend):
@@ -175,6 +179,9 @@ class TorchBackend(Backend):
                     name=name, kind=kinds[name], native=_numpy(native), manual=_numpy(manual),
                     exact=_numpy(exact), absum=_numpy(absum),
                     oracle=None if exact_oracle is None else _numpy(exact_oracle["native"][name])))
+        if options.get("full_batch"):
+            with deterministic(dev), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+                settings["full_batch"] = full_batch_check(case, weights, accum_steps, dev, progress)
         losses = {"mean_loss": sums["loss"]}
         if exact_oracle is not None:
             losses["oracle_mean_loss"] = exact_oracle["loss"]
@@ -189,6 +196,38 @@ class TorchBackend(Backend):
                          param_dtype=dtype_name if mode == "native" else "float32", accum_dtype=accum_name,
                          native_kernel_allowance=0.0,
                          losses=losses, settings=settings, first_logits=logits)
+
+
+# float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
+# (how the loss is normalised) is of order one.
+SEMANTIC_TOLERANCE = 1e-9
+
+
+def full_batch_check(case: Case, weights: dict[str, np.ndarray], accum_steps: int, dev: Any,
+                     progress: Progress | None = None) -> dict[str, Any]:
+    """The accumulated gradient against the gradient of the whole batch in one backward pass, both
+    in float64. With a "mean" loss the accumulated sum is divided by N, as training code does;
+    "sum" and "token_count" compare as they are. Returns the normalisation, the largest difference
+    relative to the full-batch gradient's largest element, the tensor where it is, and whether
+    the two are equivalent (within SEMANTIC_TOLERANCE)."""
+    import torch
+
+    micro = _accumulate(case, build_model(case, weights, torch.float64, dev), accum_steps, dev, None, progress,
+                        "float64 micro-batches")["native"]
+    batches = [case.batch(k) for k in range(accum_steps)]  # the whole batch at once: memory grows with N
+    inputs = _inputs(np.concatenate([b.inputs for b in batches]), dev, torch.float64)
+    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])).to(dev)
+    model = build_model(case, weights, torch.float64, dev)
+    whole = case if case.loss_reduction != "token_count" else case.with_reduction("mean")
+    case_loss(whole, model(inputs), labels).backward()
+    scale = 1.0 / accum_steps if case.loss_reduction == "mean" else 1.0
+    full = {name: p.grad for name, p in model.canonical.items()}
+    top = max(float(g.abs().max()) for g in full.values()) or 1.0
+    gaps = {name: float((micro[name] * scale - full[name]).abs().max()) / top for name in full}
+    worst = max(gaps, key=gaps.get)
+    return {"normalisation": case.loss_reduction, "accumulated_scaled_by": "1/N" if scale != 1.0 else "1",
+            "max_relative_difference": gaps[worst], "worst_tensor": worst,
+            "equivalent": gaps[worst] <= SEMANTIC_TOLERANCE, "tolerance": SEMANTIC_TOLERANCE}
 
 
 def float64_oracle(case: Case, weights: dict[str, np.ndarray], accum_steps: int, device: str,
@@ -262,11 +301,12 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
     import torch
 
     dtype = next(model.parameters()).dtype
+    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
 
     def step_loss(step: int) -> Any:
         batch = case.batch(step)
         labels = torch.from_numpy(batch.labels).to(dev)
-        return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels)
+        return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels, total)
 
     return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype, mode)
 
