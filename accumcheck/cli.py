@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from .errors import AccumcheckError
 from .faults import FAULT_KINDS
 from .backends import FRAMEWORKS
-from .options import choice_list, integer, positive_int, positive_int_list
+from .options import choice_list, integer, positive_float, positive_int, positive_int_list
 from .render import FORMATS, cross_summary, num, render, render_console, summary_line
 from .report import Report
 
@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the numbers of micro-steps (default: 1,2,4,...,64)")
     _add_output_options(sweep)
 
+    train = sub.add_parser("train", help="K optimizer steps with native and manual accumulation (PyTorch)")
+    train.add_argument("--case", default="tiny-grads", metavar="NAME|PATH", help="(default: %(default)s)")
+    train.add_argument("--steps", type=positive_int, default=20, metavar="K", help="optimizer steps (default: %(default)s)")
+    train.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="(default: %(default)s)")
+    train.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default: %(default)s)")
+    train.add_argument("--accum-steps", type=positive_int, metavar="N", help="micro-steps per optimizer step "
+                       "(default: the case's own)")
+    train.add_argument("--seed", type=integer, metavar="S", help="override the case's seed")
+    train.add_argument("--inject", metavar="KIND[:PARAM]", help="perturb the native accumulation at every step")
+    train.add_argument("--oracle", action="store_true", help="also train the whole model in float64")
+    train.add_argument("--device", default="cpu", metavar="DEV", help="(default: %(default)s)")
+    train.add_argument("--format", choices=("table", "json"), default="table", help="(default: %(default)s)")
+    train.add_argument("--output", metavar="FILE", help="write the JSON there, and the PNG plot beside it")
+
     diff = sub.add_parser("diff", help="compare two saved JSON reports tensor by tensor")
     diff.add_argument("report_a", metavar="A.json")
     diff.add_argument("report_b", metavar="B.json")
@@ -106,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     try:
-        return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff}[args.command](args)
+        return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
+                "train": _train}[args.command](args)
     except AccumcheckError as exc:
         print(f"accumcheck: error: {exc}", file=sys.stderr)
         return 2
@@ -230,6 +245,39 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.plot:
         _plots(result.reports[-1], args.plot, growth_of=result.reports)
     return result.exit_code
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .report import write_atomic
+    from .trajectory import save_plot, train
+
+    _check_output(args.output)
+    with _LazyProgress() as progress:
+        report = train(args.case, steps=args.steps, optimizer=args.optimizer, lr=args.lr, accum_steps=args.accum_steps,
+                       seed=args.seed, inject=args.inject, oracle=args.oracle, device=args.device, progress=progress)
+    if args.output:
+        write_atomic(args.output, report.to_json())
+        picture = save_plot(report, Path(args.output).with_suffix(".png"))
+        print(f"report written to {args.output}, plot to {picture}")
+    elif args.format == "json":
+        sys.stdout.write(report.to_json())
+    if args.format == "table" or args.output:
+        table = Table(title=f"{report.case}: native vs manual, {report.optimizer} lr {report.lr:g}, "
+                            f"N = {report.accum_steps}; parameter difference in float32 ulps")
+        table.add_column("step", justify="right")
+        for mode in report.losses:
+            table.add_column(f"loss {mode}", justify="right")
+        for kind in report.band_ratio:
+            table.add_column(f"{kind} ulps", justify="right")
+        for k in range(report.steps):
+            table.add_row(str(k), *[f"{report.losses[m][k]:.6g}" for m in report.losses],
+                          *[num(report.band_ratio[kind][k]) for kind in report.band_ratio])
+        console = _console()
+        console.print(table)
+        console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True)
+    return report.exit_code
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -42,3 +42,13 @@ def choice_list(choices: tuple[str, ...]):
         return items
 
     return parse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number (e.g. 1e-3)")
+    return value
