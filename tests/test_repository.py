@@ -20,3 +20,11 @@ def test_ci_scripts_it_calls_exist():
     for line in (ROOT / ".ci" / "run").read_text().splitlines():
         if line.startswith("bash ci/"):
             assert (ROOT / line.split()[1]).is_file(), line
+
+
+def test_every_subpackage_is_packaged():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "accumcheck").rglob("__init__.py")}
+    assert found <= listed, found - listed  # a wheel would leave the others out
