@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import dataparallel
 from .backends import get_backend
 from .backends.base import Progress, RunResult
 from .bounds import UNIT_ROUNDOFF, ModeBound
@@ -39,6 +40,9 @@ def compare(
     mode: str = "native",
     loss_reduction: str | None = None,
     full_batch: bool = False,
+    world_size: int | None = None,
+    reduce_dtype: str = "float32",
+    inject_rank: int | None = None,
 ) -> Report:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) in native and manual mode, and judge every parameter tensor.
@@ -53,6 +57,12 @@ def compare(
     overrides the case's ("mean", "sum" or "token_count"); ``full_batch`` also compares the
     accumulated gradient with the whole batch's in one backward pass (PyTorch, float64), and a
     mismatch there (how the loss is normalised) is flagged as semantic.
+    ``world_size`` runs the case data-parallel under torch.distributed (PyTorch only; see
+    ``accumcheck.backends.torch_distributed``): W ranks of N micro-steps each, DDP with
+    ``no_sync()`` as native, an all-reduce every micro-step as manual, and one process over the
+    same W*N micro-batches as the reference; ``reduce_dtype`` is DDP's all-reduce dtype (float32,
+    bfloat16 or float16), ``inject_rank`` the rank whose native accumulation ``inject`` perturbs
+    (default 0). Under torchrun every rank calls it and gets the same Report.
     Returns the Report. Raises AccumcheckError for an unknown case, framework, device or fault,
     a malformed case file, or a non-positive ``accum_steps``."""
     started = time.perf_counter()
@@ -66,9 +76,19 @@ def compare(
                                  ("--mode", mode, ("native", "accumulator", "compensated"))):
         if value not in allowed:
             raise AccumcheckError(f"{flag}: {value!r} is not one of {', '.join(allowed)}")
-    run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
-                      options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype, "mode": mode,
-                               "full_batch": full_batch})
+    if full_batch and the_case.conditional_layers():
+        raise AccumcheckError(f"--full-batch: case {the_case.name!r} routes each micro-batch through its conditional "
+                              "layers on its own, so the whole batch has no single route; drop --full-batch")
+    if world_size is None:
+        for flag, value, default in (("--reduce-dtype", reduce_dtype, "float32"), ("--inject-rank", inject_rank, None)):
+            if value != default:
+                raise AccumcheckError(f"{flag} {value}: applies to data-parallel runs; add --world-size W")
+        run = backend.run(the_case, steps, device, fault=fault, oracle=oracle, progress=progress,
+                          options={"hybridize": hybridize, "dtype": dtype, "accum_dtype": accum_dtype, "mode": mode,
+                                   "full_batch": full_batch})
+    else:
+        run = _run_data_parallel(the_case, steps, framework, device, fault, oracle, progress, dtype, accum_dtype, mode,
+                                 full_batch, world_size, reduce_dtype, inject_rank)
     if writer is not None:
         names = [p.name for p in run.params]
         for mode in ("native", "manual"):
@@ -76,6 +96,33 @@ def compare(
                 writer.add_scalar(f"grad_norm_{mode}/{layer}", norm, steps)
         writer.close()
     return build_report(the_case, run, steps, fault, oracle, time.perf_counter() - started)
+
+
+def _run_data_parallel(case: Case, steps: int, framework: str, device: str, fault: Fault | None, oracle: bool,
+                       progress: Progress | None, dtype: str, accum_dtype: str, mode: str, full_batch: bool,
+                       world_size: int, reduce_dtype: str, inject_rank: int | None) -> RunResult:
+    """Check what a data-parallel run supports, then run it."""
+    if framework != "torch":
+        raise AccumcheckError(f"--world-size with --framework {framework}: data-parallel runs use torch.distributed; "
+                              "use --framework torch")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise AccumcheckError(f"--world-size: {world_size!r} is not a positive integer")
+    for flag, value, default in (("--dtype", dtype, "float32"), ("--mode", mode, "native"),
+                                 ("--full-batch", full_batch, False)):
+        if value != default:
+            raise AccumcheckError(f"{flag} {value}: not available with --world-size (data-parallel runs keep float32 "
+                                  "parameters and DDP's own accumulation; --reduce-dtype sets the all-reduce's dtype)")
+    from .backends.torch_distributed import REDUCE_DTYPES, run_data_parallel
+
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise AccumcheckError(f"--reduce-dtype: {reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
+    rank = 0 if inject_rank is None else inject_rank
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise AccumcheckError(f"--inject-rank {inject_rank}: ranks are 0..{world_size - 1}")
+    if inject_rank is not None and fault is None:
+        raise AccumcheckError(f"--inject-rank {inject_rank}: names the rank of an --inject fault; add --inject KIND")
+    return run_data_parallel(case, steps, world_size, device, fault=fault, fault_rank=rank,
+                             reduce_dtype=reduce_dtype, accum_dtype=accum_dtype, oracle=oracle, progress=progress)
 
 
 def compare_frameworks(
@@ -140,9 +187,18 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     reference = None
     if UNIT_ROUNDOFF[run.param_dtype] > UNIT_ROUNDOFF["float32"]:
         reference = ModeBound.for_sum("float32", accum_steps)
+    parallel = None
+    if run.data_parallel is not None:
+        parallel = dataparallel.bounds_for(run.param_dtype, run.accum_dtype, accum_steps,
+                                           run.data_parallel["world_size"], run.data_parallel["reduce_dtype"])
+        native_bound, manual_bound, reference = parallel.native, parallel.manual, parallel.reference
     ulps = run.settings.get("mode", "native") != "native"  # how close a GradAccumulator gets
     tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, native_bound, manual_bound,
                               p.oracle, reference_bound=reference, ulps=ulps) for p in run.params]
+    settings, bound = run.settings, {"native": vars(native_bound), "manual": vars(manual_bound)}
+    if parallel is not None:
+        settings = {**settings, "data_parallel": {**run.data_parallel, **dataparallel.judge(tensors, run, parallel)}}
+        bound.update(single_process=vars(parallel.single_process), rank=vars(parallel.rank))
     whole = sum(t.grad_sum_sq for t in tensors)
     for t in tensors:
         t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0
@@ -159,6 +215,5 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
         framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
         param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
         oracle=oracle, inject=None if fault is None else str(fault),
-        bound={"native": vars(native_bound), "manual": vars(manual_bound)}, loss_reduction=case.loss_reduction,
-        settings=run.settings, losses=run.losses, seconds=round(seconds, 3),
+        bound=bound, loss_reduction=case.loss_reduction, settings=settings, losses=run.losses, seconds=round(seconds, 3),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors)

@@ -67,6 +67,29 @@ class ModeBound:
         relative = gamma(k, u) + gamma(k, UNIT_ROUNDOFF["float64"]) + kernel_allowance * u
         return cls(dtype, k, relative, k * SMALLEST_NORMAL[dtype], kernel_allowance, kernel_allowance * u)
 
+    @classmethod
+    def for_stages(cls, stages: list[tuple[str, int]]) -> "ModeBound":
+        """A sum computed in stages, such as a data-parallel gradient: each rank sums its N
+        micro-gradients (N-1 roundings), then an all-reduce sums the ranks' totals (W-1 roundings
+        in the reduce dtype, one more to cast into it, one more to divide by W unless W is a power
+        of two). ``stages`` lists (dtype, roundings) for each stage; every term goes through each.
+
+        A term's relative error is then at most prod(1 + gamma_{k_d}(u_d)) - 1 over the dtypes d,
+        k_d being the roundings spent in d (Higham, Lemma 3.3: (1+gamma_j)(1+gamma_k) <= 1+gamma_{j+k}).
+        The bound's dtype is the first stage's."""
+        per_dtype: dict[str, int] = {}
+        for dtype, roundings in stages:
+            if dtype not in UNIT_ROUNDOFF:
+                raise ValueError(f"no unit round-off known for dtype {dtype!r}")
+            per_dtype[dtype] = per_dtype.get(dtype, 0) + max(roundings, 0)
+        growth = 1.0
+        for dtype, k in per_dtype.items():
+            growth *= 1.0 + gamma(k, UNIT_ROUNDOFF[dtype])
+        total = sum(per_dtype.values())
+        relative = growth - 1.0 + gamma(total, UNIT_ROUNDOFF["float64"])
+        absolute = sum(k * SMALLEST_NORMAL[d] for d, k in per_dtype.items())
+        return cls(stages[0][0], total, relative, absolute)
+
     def floor(self, absum_rms: float) -> float:
         """The absolute part of the bound, for a tensor whose S has root-mean-square ``absum_rms``."""
         return self.absolute + self.tensor * absum_rms

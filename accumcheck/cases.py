@@ -25,6 +25,7 @@ from .errors import AccumcheckError
 
 LAYER_TYPES = (
     "block",
+    "conditional",
     "embedding",
     "dense",
     "activation",
@@ -49,9 +50,13 @@ class CaseError(AccumcheckError):
 class Layer:
     """One layer of a case: ``type``, ``name`` and its options.
 
-    ``block`` and ``residual`` layers hold a ``body``: a block is a named group whose name prefixes
-    its parameters (``block0.attn.q.weight``); a residual computes ``x + body(x)`` and adds no
-    prefix, so a block can hold two residuals whose layers share the block's namespace.
+    ``block``, ``residual`` and ``conditional`` layers hold a ``body``: a block is a named group
+    whose name prefixes its parameters (``block0.attn.q.weight``); a residual computes
+    ``x + body(x)`` and adds no prefix, so a block can hold two residuals whose layers share the
+    block's namespace. A conditional computes ``x + body(x)`` only for the micro-batches whose
+    index is a multiple of ``every`` (``x`` for the others) and prefixes its parameters like a
+    block: its parameters get no gradient at all in the other micro-steps, the data-dependent
+    branch that DistributedDataParallel needs ``find_unused_parameters=True`` for.
     """
 
     type: str
@@ -92,11 +97,13 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class Batch:
-    """One micro-batch: ``inputs`` (int64 token ids [B, T] or float32 features [B, F]) and
-    int64 ``labels`` ([B, T] or [B])."""
+    """One micro-batch: ``inputs`` (int64 token ids [B, T] or float32 features [B, F]),
+    int64 ``labels`` ([B, T] or [B]) and its ``index`` among the case's micro-batches (which
+    decides the route through conditional layers)."""
 
     inputs: np.ndarray
     labels: np.ndarray
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,24 @@ class Case:
         labels = labels.astype(np.int64)
         if padding is not None:
             labels[padding] = IGNORE_LABEL
-        return Batch(inputs=inputs, labels=labels)
+        return Batch(inputs=inputs, labels=labels, index=index)
+
+    def conditional_layers(self) -> list[Layer]:
+        """The conditional layers, in the order of the layers (depth first)."""
+        found: list[Layer] = []
+
+        def visit(layers: tuple[Layer, ...]) -> None:
+            for layer in layers:
+                if layer.type == "conditional":
+                    found.append(layer)
+                visit(layer.body)
+
+        visit(self.layers)
+        return found
+
+    def gates(self, index: int) -> list[bool]:
+        """For micro-batch ``index``: whether each conditional layer (in order) takes its branch."""
+        return [branch_active(layer, index) for layer in self.conditional_layers()]
 
     def token_count(self, steps: int) -> int:
         """Labelled positions (padding excluded) over the first ``steps`` micro-batches: what a
@@ -204,6 +228,11 @@ class Case:
     def fingerprint(self) -> str:
         """A short hash of the case definition, to tell two runs of different cases apart."""
         return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+def branch_active(layer: Layer, index: int) -> bool:
+    """Whether conditional ``layer`` applies its body to micro-batch ``index``."""
+    return index % layer.options["every"] == 0
 
 
 def _layer_document(layer: Layer) -> dict[str, Any]:
@@ -250,7 +279,7 @@ def _walk(layers: tuple[Layer, ...], inp: InputSpec, specs: list[ParamSpec], pre
                     specs.append(ParamSpec(f"{name}.{proj}.bias", (dim,), "bias", "zeros"))
         elif layer.type == "residual":
             _walk(layer.body, inp, specs, prefix, dim, embeddings)
-        elif layer.type == "block":
+        elif layer.type in ("block", "conditional"):
             dim, _ = _walk(layer.body, inp, specs, name + ".", dim, embeddings)
         elif layer.type == "tied_output":
             vocab, _ = embeddings[o["tie"]]
@@ -337,7 +366,9 @@ def _parse_layers(raw: Any, where: str, source: str, names: set[str]) -> tuple[L
             options["heads"] = r.positive("heads", 1)
             options["bias"] = r.get("bias", bool, False)
             options["out_proj"] = r.get("out_proj", bool, True)
-        elif kind in ("residual", "block"):
+        elif kind in ("residual", "block", "conditional"):
+            if kind == "conditional":
+                options["every"] = r.positive("every")
             r.used.add("body")
             # A residual shares its parent's namespace; a block opens a new one.
             scope = names if kind == "residual" else set()
@@ -379,6 +410,10 @@ def _check_shapes(layers: tuple[Layer, ...], inp: InputSpec, source: str, where:
                 raise CaseError(f"{at}: its body maps width {dim} to {out}; a residual needs equal widths")
         elif layer.type == "block":
             dim = _check_shapes(layer.body, inp, source, f"{where}[{i}].body", dim, embeddings)
+        elif layer.type == "conditional":
+            out = _check_shapes(layer.body, inp, source, f"{where}[{i}].body", dim, embeddings)
+            if out != dim:
+                raise CaseError(f"{at}: its body maps width {dim} to {out}; a conditional branch needs equal widths")
         elif layer.type == "tied_output":
             tie = layer.options["tie"]
             if tie not in embeddings:

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override the case's loss normalisation (token_count: divide by the accumulation's tokens)")
     run.add_argument("--full-batch", action="store_true",
                      help="also compare with the whole batch's gradient in one backward pass (float64, PyTorch)")
+    run.add_argument("--world-size", type=positive_int, metavar="W",
+                     help="run data-parallel on W ranks with torch.distributed (gloo on cpu, nccl on gpu): DDP with "
+                          "no_sync() against an all-reduce every micro-step and one process over the same micro-batches "
+                          "(default: one process; under torchrun: its WORLD_SIZE)")
+    run.add_argument("--reduce-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                     help="with --world-size: the dtype of DDP's all-reduce (default: %(default)s)")
+    run.add_argument("--inject-rank", type=integer, metavar="R",
+                     help="with --world-size: the rank whose native accumulation --inject perturbs (default: 0)")
     run.add_argument("--grad-norms", metavar="DIR",
                      help="also log each mode's per-layer gradient norms to TensorBoard event files in DIR")
     _add_output_options(run)
@@ -120,14 +128,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     try:
+        _data_parallel_defaults(args)
         return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
                 "train": _train}[args.command](args)
     except AccumcheckError as exc:
-        print(f"accumcheck: error: {exc}", file=sys.stderr)
+        rank = _rank()
+        print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("accumcheck: interrupted", file=sys.stderr)
         return 130
+
+
+def _rank() -> int:
+    """This process's rank when torchrun started it (0 otherwise): only rank 0 prints and writes."""
+    from .launch import launched_rank
+
+    return launched_rank()
+
+
+def _data_parallel_defaults(args: argparse.Namespace) -> None:
+    """Under torchrun, ``compare`` runs data-parallel on the job's ranks unless told otherwise."""
+    from .launch import launched_world_size
+
+    if args.command == "compare" and args.world_size is None:
+        args.world_size = launched_world_size()
 
 
 def _check_output(path: str | None) -> None:
@@ -184,7 +209,10 @@ def _compare(args: argparse.Namespace) -> int:
     frameworks = args.framework if isinstance(args.framework, list) else [args.framework]
     if args.grad_norms is not None and len(set(frameworks)) > 1:
         raise AccumcheckError("--grad-norms works with one framework at a time; run each --framework on its own")
-    with _LazyProgress() as progress:
+    if args.world_size is not None and len(set(frameworks)) > 1:
+        raise AccumcheckError("--world-size runs one framework (torch); drop the second --framework")
+    quiet = _rank() != 0
+    with _LazyProgress(enabled=not quiet) as progress:
         if len(set(frameworks)) > 1:
             report = compare_frameworks(case=args.case, frameworks=frameworks, accum_steps=args.accum_steps,
                                         device=args.device, seed=args.seed, inject=args.inject,
@@ -194,7 +222,10 @@ def _compare(args: argparse.Namespace) -> int:
                              device=args.device, seed=args.seed, oracle=args.oracle, inject=args.inject,
                              progress=progress, hybridize=args.hybridize, grad_norms=args.grad_norms,
                              dtype=args.dtype, accum_dtype=args.accum_dtype, mode=args.mode,
-                             loss_reduction=args.loss_reduction, full_batch=args.full_batch)
+                             loss_reduction=args.loss_reduction, full_batch=args.full_batch,
+                             world_size=args.world_size, reduce_dtype=args.reduce_dtype, inject_rank=args.inject_rank)
+    if quiet:  # every rank holds the same report; rank 0 prints it
+        return report.exit_code
     _emit(report, args)
     if args.plot:
         _plots(report, args.plot)
@@ -351,7 +382,8 @@ class _LazyProgress:
 
     DELAY_S = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.started = time.perf_counter()
         self.progress = None
         self.tasks: dict[str, int] = {}
@@ -361,7 +393,7 @@ class _LazyProgress:
 
     def update(self, phase: str, done: int, total: int) -> None:
         if self.progress is None:
-            if time.perf_counter() - self.started < self.DELAY_S or not sys.stderr.isatty():
+            if not self.enabled or time.perf_counter() - self.started < self.DELAY_S or not sys.stderr.isatty():
                 return
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

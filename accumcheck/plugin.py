@@ -1,7 +1,7 @@
 """pytest plugin: ``pytest --accum-steps 16,32`` runs accumulation checks at each setting.
 
 Hooks and fixtures only; the logic lives in the library. Options (group "accumcheck"):
---accum-steps, --accum-framework, --accum-device, --accum-case, --accum-report. Tests that ask
+--accum-steps, --accum-framework, --accum-device, --accum-case, --accum-world-size, --accum-report. Tests that ask
 for the fixtures ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run
 once per combination; ``accum_compare`` runs a case with them and saves its report.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from .backends import FRAMEWORKS
-from .options import choice_list, positive_int_list
+from .options import choice_list, positive_int, positive_int_list
 
 DEVICES = ("cpu", "gpu")
 
@@ -43,6 +43,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="devices: cpu,gpu; gpu runs are skipped where there is none (default: cpu)")
     group.addoption("--accum-case", type=_case_list, metavar="NAME[,NAME]", default=None,
                     help="cases for tests that use accum_case (default: every built-in case)")
+    group.addoption("--accum-world-size", type=positive_int, metavar="W", default=None,
+                    help="run accum_compare data-parallel on W ranks (torch.distributed; default: one process)")
     group.addoption("--accum-report", metavar="DIR", default=None,
                     help="write each accum_compare run's JSON and markdown report into DIR (default: none)")
 
@@ -64,8 +66,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     steps = ",".join("case default" if n is None else str(n) for n in s["steps"])
     flags = (f"--accum-steps {steps} --accum-framework {','.join(s['framework'])} "
              f"--accum-device {','.join(s['device'])}")
+    world = config.getoption("--accum-world-size")
+    if world:
+        flags += f" --accum-world-size {world}"
     return (f"accumcheck: {flags}; reproduce one run with: accumcheck compare --framework F --device D "
-            f"--case C --accum-steps N")
+            f"--case C --accum-steps N" + (f" --world-size {world}" if world else ""))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -115,11 +120,16 @@ def accum_case(request: pytest.FixtureRequest) -> str:
 def accum_compare(request: pytest.FixtureRequest, accum_framework: str, accum_device: str,
                   accum_steps: int | None) -> Callable[..., Any]:
     """``accum_compare(case, **kwargs)``: ``accumcheck.compare`` with this run's framework,
-    device and steps; the report is saved under --accum-report when given."""
+    device and steps (and ``world_size`` from --accum-world-size, for PyTorch); the report is
+    saved under --accum-report when given."""
     import accumcheck
+
+    world = request.config.getoption("--accum-world-size")
 
     def run(case: str = "embed-attention", **kwargs: Any) -> Any:
         options = {"framework": accum_framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
+        if world and accum_framework == "torch":
+            options.setdefault("world_size", world)
         report = accumcheck.compare(case, **options)
         _save(request, report)
         return report

@@ -55,15 +55,55 @@ def header_lines(report: Report) -> list[str]:
         f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}"
         + (f" · {settings}" if settings else ""),
         f"{versions} · {report.seconds:.2f}s",
-        f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
-        + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
-        "E, S: float64 sums of the micro-gradients and of their magnitudes",
     ]
+    if report.data_parallel:
+        lines += data_parallel_lines(report)
+    else:
+        lines += [
+            f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
+            + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
+            "E, S: float64 sums of the micro-gradients and of their magnitudes",
+        ]
     if report.inject:
         lines.append(f"injected fault: {report.inject}")
     if report.settings.get("full_batch"):
         lines.append(full_batch_line(report))
     lines.append(f"reproduce: {report.reproduce_command()}")
+    return lines
+
+
+def data_parallel_lines(report: Report) -> list[str]:
+    """How a data-parallel run was set up, its bounds, and what the ranks and the single-process
+    reference said."""
+    p, bound = report.data_parallel, report.bound
+    w, n = p["world_size"], report.accum_steps
+    hosts = p.get("hosts", [])
+    lines = [
+        f"data parallel: {w} ranks ({p['backend']}, {p['launcher']}"
+        + (f", {len(hosts)} hosts" if len(hosts) > 1 else "") + f"), {w * n} global micro-batches "
+        f"(rank r, micro-step k: batch k*{w} + r)"
+        + ("; find_unused_parameters=True" if p.get("find_unused_parameters") else ""),
+        f"native: {p['native']}; manual: {p['manual']}",
+        f"E, S: float64 sums of every rank's micro-gradients and of their magnitudes, all-reduced, divided by {w}",
+        f"bound per element: |mode - E| <= rel * S + k * 2^-126: native {num(bound['native']['relative'])} "
+        f"(N-1 roundings on the rank, then the {p['reduce_dtype']} all-reduce), manual "
+        f"{num(bound['manual']['relative'])}, single process {num(bound['single_process']['relative'])}, "
+        f"a rank's own total against its own E, S {num(bound['rank']['relative'])}",
+    ]
+    single = p.get("single_process")
+    if single:
+        verdict = "agrees" if single["agree"] else "DISAGREES"
+        lines.append(f"single-process reference ({p['reference']}): native {verdict}, worst "
+                     f"{num(single['worst_agreement'])}x the two bounds at {single['worst_tensor'] or '-'}")
+    ranks = p.get("ranks", [])
+    if ranks and p.get("ranks_agree"):
+        lines.append(f"ranks: all {len(ranks)} agree (every rank's own total within round-off; the same gradient "
+                     "on every rank after the all-reduce)")
+    elif ranks:
+        lines.append("ranks DISAGREE: " + "; ".join(
+            f"rank {r['rank']}" + (f" ({r['host']})" if len(hosts) > 1 else "") + ": "
+            + (f"FLAGGED {', '.join(r['flagged'])}" if r["flagged"] else "faithful") for r in ranks)
+            + ("" if p.get("final_identical", True) else "; the ranks hold different gradients after the all-reduce"))
     return lines
 
 
@@ -84,8 +124,9 @@ def summary_line(report: Report) -> str:
                 f"every tensor is numerically faithful)")
     if flagged:
         named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
-            f", {num(t.ratio)}x bound)" if t.verdict == "diverged" else
-            f", {num(t.err_ulps_native)} float32 ulps)" if t.verdict == "precision-loss" else ")") for t in flagged[:8])
+            f", {num(t.ratio)}x bound" if t.verdict == "diverged" else
+            f", {num(t.err_ulps_native)} float32 ulps" if t.verdict == "precision-loss" else "")
+            + (f", rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else "") + ")" for t in flagged[:8])
         more = f" and {len(flagged) - 8} more" if len(flagged) > 8 else ""
         return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
     counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off")}
@@ -124,6 +165,14 @@ def tensor_details(t: TensorResult) -> list[str]:
     if t.precision_ratio is not None:
         lines.append(f"  Against float32's bound (what a float32 buffer keeps): native {num(t.precision_ratio)}x it; error against E in "
                      f"float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")
+    if t.rank_local_ratios is not None:
+        lines.append("  Each rank's own total against its own E and S (ratio to bound): "
+                     + ", ".join(f"rank {r} {num(x)}" for r, x in enumerate(t.rank_local_ratios))
+                     + "; after the all-reduce: " + ", ".join(f"rank {r} {num(x)}" for r, x in enumerate(t.rank_final_ratios or []))
+                     + (f"; flagged: rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else ""))
+    if t.single_agreement is not None:
+        lines.append(f"  Single-process reference: {num(t.single_ratio)}x its bound; native against it "
+                     f"{num(t.single_agreement)}x the two bounds")
     if t.oracle_err_native is not None:
         lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
                      f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")
@@ -149,11 +198,26 @@ def rich_table(report: Report) -> Table:
     return table
 
 
+def rank_table(report: Report) -> Table:
+    """One row a rank: its verdict, the tensors it is named for, its worst own-total ratio."""
+    p = report.data_parallel
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False, title="per rank")
+    for title in ("rank", "host", "verdict", "own total, worst ratio", "flagged tensors"):
+        table.add_column(title, justify="right" if title.startswith(("rank", "own")) else "left")
+    for r in p["ranks"]:
+        worst = max((t.rank_local_ratios[r["rank"]] for t in report.tensors if t.rank_local_ratios), default=0.0)
+        verdict = Text("FLAGGED", style="bold red") if r["flagged"] else Text("faithful", style="green")
+        table.add_row(str(r["rank"]), r["host"], verdict, num(worst), ", ".join(r["flagged"]) or "-")
+    return table
+
+
 def render_table(report: Report, console: Console) -> None:
     """Header, per-parameter table, details of flagged and ill-conditioned tensors, summary."""
     # soft_wrap: long lines (the reproduce command above all) stay whole, for copying.
     console.print(Text("\n".join(header_lines(report)), style="dim"), soft_wrap=True)
     console.print(rich_table(report))
+    if report.data_parallel and not report.data_parallel.get("ranks_agree", True):
+        console.print(rank_table(report))
     noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
     for t in noteworthy:
         console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""), soft_wrap=True)

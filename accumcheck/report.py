@@ -76,6 +76,14 @@ class TensorResult:
     oracle_err_native: float | None = None  # max |mode - O|, O = the whole model in float64
     oracle_err_manual: float | None = None
     oracle_err_exact: float | None = None
+    # Data parallel (accumcheck.dataparallel): the single-process reference's worst ratio to its
+    # bound, native against it (over both bounds), each rank's own total against its own E and S,
+    # each rank's gradient after the all-reduce, and the ranks named by those.
+    single_ratio: float | None = None
+    single_agreement: float | None = None
+    rank_local_ratios: list[float] | None = None
+    rank_final_ratios: list[float] | None = None
+    flagged_ranks: list[int] | None = None
 
     @property
     def flagged(self) -> bool:
@@ -145,7 +153,25 @@ class Report:
             parts.append(f"--full-batch --loss-reduction {self.loss_reduction}")
         if self.inject:
             parts.append(f"--inject {self.inject.split('@')[0]}")
+        parallel = self.data_parallel
+        if parallel:
+            parts.append(f"--world-size {parallel['world_size']}")
+            if parallel["reduce_dtype"] != "float32":
+                parts.append(f"--reduce-dtype {parallel['reduce_dtype']}")
+            if self.inject and parallel.get("fault_rank"):
+                parts.append(f"--inject-rank {parallel['fault_rank']}")
+        if self.param_dtype != "float32":
+            parts.append(f"--dtype {self.param_dtype}")
+        if self.accum_dtype != "float32":
+            parts.append(f"--accum-dtype {self.accum_dtype}")
+        if self.settings.get("mode", "native") != "native":
+            parts.append(f"--mode {self.settings['mode']}")
         return " ".join(parts)
+
+    @property
+    def data_parallel(self) -> dict[str, Any] | None:
+        """How a data-parallel run was set up and what its ranks said; None for one process."""
+        return self.settings.get("data_parallel")
 
     @property
     def case_source_arg(self) -> str:

@@ -90,7 +90,7 @@ def train(case: Any, steps: int = 20, optimizer: str = "adam", lr: float = 1e-3,
         def run(micro: int) -> Any:
             batch = the_case.batch(outer * n + micro)
             labels = torch.from_numpy(batch.labels).to(dev)
-            return case_loss(the_case, model(_inputs(batch.inputs, dev, dtype)), labels, total)
+            return case_loss(the_case, model(_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
         return run
 
     losses: dict[str, list[float]] = {"native": [], "manual": []}

@@ -1,4 +1,5 @@
-"""Core performance figures of accumcheck, as three ratios from one run (CPU, torch backend).
+"""Core performance figures of accumcheck, as three ratios from one run (torch backend; CPU, or
+(a) and (c) with --device cuda).
 
 (a) overhead   wall time of ``accumcheck.compare(case="transformer-small", accum_steps=N)`` over a
                plain native loop on the same case and N (build the model, then N x forward +
@@ -21,6 +22,7 @@ Targets are informational: a MISS is printed, and the script still exits 0.
     python benchmarks/bench_core.py               # full run, ~1-2 min on 2 cores
     python benchmarks/bench_core.py --quick       # smoke run, smaller N and tensor
     python benchmarks/bench_core.py --json out.json
+    python benchmarks/bench_core.py --device cuda  # (a) on the GPU (absolute times too); (c) as ever
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from accumcheck.cases import resolve_case
 from accumcheck.compare import compare_tensor  # (the attribute accumcheck.compare is the function)
 
 CASE = "transformer-small"
-CPU = torch.device("cpu")
 
 
 def machine() -> dict:
@@ -87,21 +88,25 @@ def medians(fns: dict, reps: int) -> dict:
 # ----------------------------------------------------------------------------- (a) overhead
 
 
-def bench_overhead(steps: int, reps: int) -> dict:
+def bench_overhead(steps: int, reps: int, device: str = "cpu") -> dict:
     case = resolve_case(CASE)
+    dev = torch.device(device)
 
     def native() -> None:
-        model = build_model(case, case.weights(), torch.float32, CPU)
+        model = build_model(case, case.weights(), torch.float32, dev)
         for step in range(steps):
             batch = case.batch(step)
-            loss = case_loss(case, model(torch.from_numpy(batch.inputs)), torch.from_numpy(batch.labels))
+            loss = case_loss(case, model(torch.from_numpy(batch.inputs).to(dev)), torch.from_numpy(batch.labels).to(dev))
             loss.backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # the work done, not just queued
 
-    run = TorchBackend().run(case, steps, "cpu")
+    run = TorchBackend().run(case, steps, device)
     t = medians({
-        "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, oracle=False),
+        "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, oracle=False,
+                                              device=device),
         "native": native,
-        "backend_run": lambda: TorchBackend().run(case, steps, "cpu"),
+        "backend_run": lambda: TorchBackend().run(case, steps, device),
         "judging": lambda: build_report(case, run, steps, None, False, 0.0),
     }, reps)
     per_step = lambda s: s / steps * 1e3  # noqa: E731
@@ -235,7 +240,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run (smaller N and tensor)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--device", default="cpu", help="where (a) runs: cpu or cuda; on cuda (b) and (d), "
+                        "CPU measurements, are left out (default: %(default)s)")
     args = parser.parse_args()
+    on_gpu = args.device != "cpu"
     q = args.quick
     started = time.perf_counter()
 
@@ -245,20 +253,25 @@ def main() -> int:
           f"numba {info['numba']}, accumcheck {info['accumcheck']}{'  [--quick]' if q else ''}")
 
     phases = {}
-    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 7))
-    phases["b"], mem = timed_value(lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
+    if on_gpu:
+        print(f"device: {torch.cuda.get_device_name(args.device)}, CUDA {torch.version.cuda}")
+    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 7, device=args.device))
+    phases["b"], mem = (0.0, None) if on_gpu else timed_value(
+        lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
     phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
-    phases["d"], mxb = timed_value(lambda: bench_mxnet(steps=8 if q else 32, reps=3 if q else 7))
+    phases["d"], mxb = (0.0, None) if on_gpu else timed_value(lambda: bench_mxnet(steps=8 if q else 32,
+                                                                                  reps=3 if q else 7))
 
     rows = [
-        ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}", over["ratio"], "<= 1.2",
+        ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}, {args.device}", over["ratio"], "<= 1.2",
          verdict(over["ratio"], 1.2, True),
          f"{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms, median of {over['reps']}"),
-        ("(b) memory", f"peak RSS N={mem['large_steps']} / N={mem['small_steps']}", mem["ratio"], "<= 1.05",
+    ]
+    if mem is not None:
+        rows.append(("(b) memory", f"peak RSS N={mem['large_steps']} / N={mem['small_steps']}", mem["ratio"], "<= 1.05",
          verdict(mem["ratio"], 1.05, True),
          f"VmHWM {mem['large_mib']:.0f} / {mem['small_mib']:.0f} MiB, median of {mem['runs']} children "
-         f"(ru_maxrss {mem['large_ru_maxrss_mib']:.0f} / {mem['small_ru_maxrss_mib']:.0f})"),
-    ]
+         f"(ru_maxrss {mem['large_ru_maxrss_mib']:.0f} / {mem['small_ru_maxrss_mib']:.0f})"))
     for label in ("differ", "identical"):
         c = comp[label]
         rows.append(("(c) comparator", f"compare_tensor / assert_close, {comp['numel'] / 1e6:g}M, A {'!=' if label == 'differ' else '=='} B",
@@ -285,7 +298,7 @@ def main() -> int:
     print(f"total {elapsed:.0f} s (a {phases['a']:.0f} s, b {phases['b']:.0f} s, c {phases['c']:.0f} s, d {phases['d']:.0f} s)")
 
     if args.json:
-        figures = {"machine": info, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp, "mxnet": mxb,
+        figures = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp, "mxnet": mxb,
                    "targets": {"overhead": 1.2, "memory": 1.05, "comparator": 5.0}}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -24,6 +24,19 @@ report = build_report(case, run, 4, None, False, 0.0)
 assert report.tensors[0].verdict == "identical"
 for fmt in FORMATS:
     render(report, fmt)
+
+# A data-parallel report is judged and drawn by the core alone too.
+import accumcheck.cli, accumcheck.launch
+from accumcheck.backends.base import RankAccumulation
+rank = RankAccumulation(0, "host", {"shared.weight": g}, {"shared.weight": g.astype(np.float64)},
+                        {"shared.weight": g.astype(np.float64)}, {"shared.weight": g})
+params[0].reference = g.copy()
+run.ranks, run.data_parallel = [rank], {"world_size": 1, "reduce_dtype": "float32", "backend": "gloo",
+                                        "launcher": "test", "native": "-", "manual": "-", "reference": "-"}
+report = build_report(case, run, 4, None, False, 0.0)
+assert report.exit_code == 0 and report.data_parallel["ranks_agree"]
+for fmt in FORMATS:
+    render(report, fmt)
 loaded = [m for m in ("torch", "mxnet", "jax", "tensorflow") if m in sys.modules]
 print("LOADED", loaded)
 """

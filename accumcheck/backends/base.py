@@ -31,6 +31,27 @@ class ParamAccumulation:
     exact: np.ndarray
     absum: np.ndarray
     oracle: np.ndarray | None = None
+    # Data parallel: the same accumulation in one process over the same global micro-batches
+    # (divided by the number of ranks, as DistributedDataParallel averages).
+    reference: np.ndarray | None = None
+
+
+@dataclass
+class RankAccumulation:
+    """One rank of a data-parallel run, every dict keyed by parameter name.
+
+    local_native  the rank's own native total (N micro-steps under no_sync) just before the
+                  all-reduce, as DistributedDataParallel hands it to the communication hook
+    exact, absum  the rank's E and S (float64 sums of its micro-gradients and their magnitudes)
+    native        the rank's gradient after the all-reduce (every rank should hold the same)
+    """
+
+    rank: int
+    host: str
+    local_native: dict[str, np.ndarray]
+    exact: dict[str, np.ndarray]
+    absum: dict[str, np.ndarray]
+    native: dict[str, np.ndarray]
 
 
 @dataclass
@@ -48,6 +69,10 @@ class RunResult:
     settings: dict[str, Any] = field(default_factory=dict)
     # Logits of micro-batch 0 in the manual pass, to compare forward passes across frameworks.
     first_logits: np.ndarray | None = None
+    # Data parallel: each rank's own view (rank order), and how the run was set up
+    # (world_size, reduce_dtype, ...); None for a single-process run.
+    ranks: list[RankAccumulation] | None = None
+    data_parallel: dict[str, Any] | None = None
 
 
 class Backend(ABC):

@@ -81,9 +81,9 @@ def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any
                     setattr(self, _sanitize(name), param)
                     self.canonical[name] = param
 
-        def hybrid_forward(self, F: Any, x: Any, **params: Any) -> Any:
+        def hybrid_forward(self, F: Any, x: Any, *gates: Any, **params: Any) -> Any:
             named = {name: params[_sanitize(name)] for name in self.canonical}
-            return _forward(F, case.layers, x, named, "", case, shapes)
+            return _forward(F, case.layers, x, named, "", case, shapes, gates[0] if gates else None, [0])
 
     block = CaseBlock()
     block.initialize(ctx=ctx)
@@ -93,7 +93,7 @@ def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any
 
 
 def _forward(F: Any, layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: str,
-             case: Case, shapes: dict[str, tuple[int, ...]]) -> Any:
+             case: Case, shapes: dict[str, tuple[int, ...]], gates: Any = None, branch: list[int] | None = None) -> Any:
     # Widths come from the case: under hybridize the parameters are symbols without shapes.
     def dense(x: Any, weight: str, bias: str) -> Any:
         units = shapes[weight][0]
@@ -120,9 +120,17 @@ def _forward(F: Any, layers: tuple[Layer, ...], x: Any, params: dict[str, Any], 
         elif layer.type == "attention":
             x = _attention(F, x, dense, name, o["heads"], o["out_proj"], shapes[f"{name}.q.weight"][0])
         elif layer.type == "residual":
-            x = x + _forward(F, layer.body, x, params, prefix, case, shapes)
+            x = x + _forward(F, layer.body, x, params, prefix, case, shapes, gates, branch)
         elif layer.type == "block":
-            x = _forward(F, layer.body, x, params, f"{name}.", case, shapes)
+            x = _forward(F, layer.body, x, params, f"{name}.", case, shapes, gates, branch)
+        elif layer.type == "conditional":
+            # A hybridized graph cannot branch on data, so the branch is multiplied by its gate
+            # (1 or 0, an input): where the gate is 0 its parameters get gradients of exactly 0.
+            which = branch[0]
+            branch[0] += 1
+            body = _forward(F, layer.body, x, params, f"{name}.", case, shapes, gates, branch)
+            gate = F.slice_axis(gates, axis=0, begin=which, end=which + 1)
+            x = x + F.broadcast_mul(body, gate.reshape((1,) * (3 if case.input.kind == "tokens" else 2)))
         elif layer.type == "tied_output":
             x = dense(x, f"{o['tie']}.weight", f"{name}.bias")
     return x
@@ -218,7 +226,8 @@ def _case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 
         # Embedding takes its indices as floats (exact below 2**24).
         inputs = mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype)
         labels = mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
-        out = block(inputs)
+        gates = case.gates(batch.index)
+        out = block(inputs, mx.nd.array(gates, ctx=ctx, dtype=dtype)) if gates else block(inputs)
         return case_loss(case, out, labels, total), out
 
     return step

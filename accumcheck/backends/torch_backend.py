@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..cases import IGNORE_LABEL, LAYERNORM_EPS, Case, Layer
+from ..cases import IGNORE_LABEL, LAYERNORM_EPS, Case, Layer, branch_active
 from ..errors import AccumcheckError
 from ..faults import Fault, FaultInjector
 from ..kernels import add_step
@@ -75,13 +75,14 @@ def build_model(case: Case, weights: dict[str, np.ndarray], dtype: Any, device: 
                 self.register_parameter(f"p{i}", param)
                 self.canonical[name] = param
 
-        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-            return _forward(case.layers, inputs, self.canonical, "")
+        def forward(self, inputs: torch.Tensor, index: int = 0) -> torch.Tensor:
+            """The logits of micro-batch ``index`` (its index routes conditional layers)."""
+            return _forward(case.layers, inputs, self.canonical, "", index)
 
     return CaseModel()
 
 
-def _forward(layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: str) -> Any:
+def _forward(layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: str, index: int) -> Any:
     import torch
     import torch.nn.functional as F
 
@@ -101,9 +102,13 @@ def _forward(layers: tuple[Layer, ...], x: Any, params: dict[str, Any], prefix: 
         elif layer.type == "attention":
             x = _attention(x, params, name, o["heads"], o["out_proj"])
         elif layer.type == "residual":
-            x = x + _forward(layer.body, x, params, prefix)
+            x = x + _forward(layer.body, x, params, prefix, index)
         elif layer.type == "block":
-            x = _forward(layer.body, x, params, f"{name}.")
+            x = _forward(layer.body, x, params, f"{name}.", index)
+        elif layer.type == "conditional":
+            # A real branch: on the other micro-batches the body's parameters are not used at all.
+            if branch_active(layer, index):
+                x = x + _forward(layer.body, x, params, f"{name}.", index)
         elif layer.type == "tied_output":
             x = F.linear(x, params[f"{o['tie']}.weight"], params.get(f"{name}.bias"))
     return x
@@ -170,7 +175,7 @@ class TorchBackend(Backend):
                 exact_oracle = _accumulate(case, model64, accum_steps, dev, None, progress, "float64 oracle")
             with torch.no_grad():
                 batch = case.batch(0)
-                logits = _numpy(model(_inputs(batch.inputs, dev, dtype)))
+                logits = _numpy(model(_inputs(batch.inputs, dev, dtype), batch.index))
             params = []
             for name, param in model.canonical.items():
                 manual, exact, absum = sums["buffers"][name]
@@ -212,6 +217,9 @@ def full_batch_check(case: Case, weights: dict[str, np.ndarray], accum_steps: in
     the two are equivalent (within SEMANTIC_TOLERANCE)."""
     import torch
 
+    if case.conditional_layers():
+        raise AccumcheckError(f"--full-batch: case {case.name!r} routes each micro-batch through its conditional "
+                              "layers on its own, so the whole batch has no single route; drop --full-batch")
     micro = _accumulate(case, build_model(case, weights, torch.float64, dev), accum_steps, dev, None, progress,
                         "float64 micro-batches")["native"]
     batches = [case.batch(k) for k in range(accum_steps)]  # the whole batch at once: memory grows with N
@@ -256,10 +264,13 @@ class _StepRecorder:
     backward the whole step goes into flat buffers with one concatenation and one fused pass
     (three adds on CUDA), instead of three small operations per parameter inside the backward."""
 
-    def __init__(self, params: dict[str, Any], accum_dtype: Any = None) -> None:
+    def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
+                 reduce_step: Callable[[Any], Any] | None = None) -> None:
         import torch
 
         self.params = params
+        # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
+        self.reduce_step = reduce_step
         first = next(iter(params.values()))
         total = sum(p.numel() for p in params.values())
         self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
@@ -278,7 +289,11 @@ class _StepRecorder:
                 grads.setdefault(name, torch.zeros_like(p))
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
-        if self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
+        if self.reduce_step is not None:
+            self.manual.add_(self.reduce_step(self.step))
+            self.exact.add_(self.step)
+            self.absum.add_(self.step.abs())
+        elif self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
             add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
         else:
             self.manual.add_(self.step)
@@ -306,22 +321,27 @@ def _accumulate(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault
     def step_loss(step: int) -> Any:
         batch = case.batch(step)
         labels = torch.from_numpy(batch.labels).to(dev)
-        return case_loss(case, model(_inputs(batch.inputs, dev, dtype)), labels, total)
+        return case_loss(case, model(_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
 
     return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype, mode)
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
-               progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native") -> dict[str, Any]:
+               progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
+               step_context: Callable[[int], Any] | None = None,
+               reduce_step: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
     ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
     what fills the native slot: "native" (``.grad`` accumulating), "accumulator" or
-    "compensated" (``accumcheck.torch.GradAccumulator`` taking each micro-step's ``.grad``). Returns {"buffers": name -> (manual, exact, absum),
+    "compensated" (``accumcheck.torch.GradAccumulator`` taking each micro-step's ``.grad``).
+    ``step_context(step)``, when given, is entered around each micro-step's forward and backward
+    (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
+    the manual buffer adds (its all-reduced mean). Returns {"buffers": name -> (manual, exact, absum),
     "native": name -> accumulated .grad, "loss": mean loss}."""
     import torch
 
-    recorder = _StepRecorder(params, accum_dtype)
+    recorder = _StepRecorder(params, accum_dtype, reduce_step)
     handles = []
     state = {"step": 0}
     injector = None
@@ -359,8 +379,9 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     try:
         for step in range(accum_steps):
             state["step"] = step
-            loss = step_loss(step)
-            loss.backward()
+            with step_context(step) if step_context is not None else contextlib.nullcontext():
+                loss = step_loss(step)
+                loss.backward()
             recorder.flush()
             if accumulator is not None:
                 accumulator.add()

@@ -1,0 +1,182 @@
+"""The GPU checks that ci/gpu_check.sh runs, as one script that writes its figures as JSON.
+
+  verdicts     every built-in case on the GPU: faithful (positive control); drop-step and bf16
+               flagged on exactly the injected tensor, roundoff not (negative and positive
+               controls); absolute time of each compare
+  determinism  each case accumulated twice with deterministic algorithms on (as accumcheck runs):
+               bit-identical is expected; then twice with them off: tensors whose kernels are
+               nondeterministic (atomic adds) differ, and their run-to-run difference, in units of
+               the round-off bound, is reported as the noise floor
+  data         accumcheck.compare(world_size=W) with nccl on W = min(2, GPUs) GPUs, clean and with
+  parallel     a fault on the last rank (which must be named)
+
+Exit status: 0 when every check holds, 1 otherwise (the noise floor is reported, not judged).
+
+    python ci/gpu_check.py --out figures.json
+    python ci/gpu_check.py --summarize FOLDER   # the summary ci/gpu_check.sh writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import accumcheck
+from accumcheck.backends.torch_backend import _accumulate, _numpy, build_model, deterministic
+from accumcheck.bounds import ModeBound
+from accumcheck.cases import builtin_case, builtin_case_names
+
+DEV = torch.device("cuda")
+WHERE = "gpu"  # accumcheck's --device; --device cpu runs the same checks on the CPU (a dry run)
+
+
+def check_verdicts() -> dict:
+    out = {}
+    for name in builtin_case_names():
+        started = time.perf_counter()
+        clean = accumcheck.compare(name, device=WHERE)
+        seconds = time.perf_counter() - started
+        entry = {"clean_exit": clean.exit_code, "seconds": round(seconds, 3), "worst_ratio": max(t.ratio for t in clean.tensors),
+                 "device": clean.device, "faults": {}}
+        for kind in ("drop-step", "bf16", "roundoff"):
+            report = accumcheck.compare(name, device=WHERE, inject=kind)
+            target = report.inject.split(":")[1].split("@")[0]
+            flagged = [t.name for t in report.flagged]
+            entry["faults"][kind] = {"flagged": flagged, "ok": flagged == ([] if kind == "roundoff" else [target])}
+        entry["ok"] = clean.exit_code == 0 and all(f["ok"] for f in entry["faults"].values())
+        out[name] = entry
+    return {"ok": all(e["ok"] for e in out.values()), "cases": out}
+
+
+def _twice(case, deterministic_on: bool) -> tuple[dict, dict]:
+    runs = []
+    for _ in range(2):
+        if deterministic_on:
+            with deterministic(DEV):
+                runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
+                                        DEV, None, None, "determinism"))
+        else:
+            saved = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(False)
+            try:
+                runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
+                                        DEV, None, None, "determinism"))
+            finally:
+                torch.use_deterministic_algorithms(saved)
+    return runs[0], runs[1]
+
+
+def check_determinism() -> dict:
+    out = {}
+    for name in builtin_case_names():
+        case = builtin_case(name)
+        bound = ModeBound.for_sum("float32", case.accum_steps)
+        entry = {}
+        for label, on in (("deterministic", True), ("default", False)):
+            a, b = _twice(case, on)
+            differing = {}
+            for tensor, grad in a["native"].items():
+                x, y = _numpy(grad), _numpy(b["native"][tensor])
+                if not np.array_equal(x, y):
+                    absum = _numpy(a["buffers"][tensor][2]).astype(np.float64)
+                    floor = np.abs(x.astype(np.float64) - y) / (bound.relative * absum + bound.absolute)
+                    differing[tensor] = float(np.nan_to_num(floor, nan=0.0).max())
+            entry[label] = {"bit_identical": not differing, "noise_floor": differing}
+        out[name] = entry
+    # Deterministic mode must reproduce itself; the default mode's noise floor is information.
+    return {"ok": all(e["deterministic"]["bit_identical"] for e in out.values()), "cases": out}
+
+
+def check_data_parallel() -> dict:
+    world = min(2, torch.cuda.device_count()) if WHERE == "gpu" else 2
+    clean = accumcheck.compare("embed-attention", world_size=world, device=WHERE)
+    faulty = accumcheck.compare("embed-attention", world_size=world, device=WHERE, inject="drop-step",
+                                inject_rank=world - 1)
+    named = faulty.flagged[0].flagged_ranks if faulty.flagged else None
+    return {"ok": clean.exit_code == 0 and [t.name for t in faulty.flagged] == ["embed.weight"] and named == [world - 1],
+            "world_size": world, "backend": clean.data_parallel["backend"], "clean_exit": clean.exit_code,
+            "clean_seconds": clean.seconds, "single_process_worst": clean.data_parallel["single_process"]["worst_agreement"],
+            "fault_flagged": [t.name for t in faulty.flagged], "fault_ranks": named}
+
+
+def summarize(folder: Path) -> str:
+    """The one summary file of ci/gpu_check.sh: its steps, these figures, the benchmarks' tables."""
+    lines = ["# accumcheck GPU check", ""]
+    steps = folder / "steps.txt"
+    lines += ["## steps", ""] + [f"- {line}" for line in steps.read_text().splitlines()] if steps.exists() else []
+    checks = folder / "gpu_checks.json"
+    if checks.exists():
+        f = json.loads(checks.read_text())
+        lines += ["", f"## checks: torch {f['torch']}, CUDA {f['cuda']}, {f['gpus']} x {f['gpu']}", ""]
+        v = f.get("verdicts", {})
+        for name, e in v.get("cases", {}).items():
+            faults = ", ".join(f"{k} -> {x['flagged'] or 'none'}{'' if x['ok'] else ' (WRONG)'}" for k, x in e["faults"].items())
+            lines.append(f"- verdicts {name}: clean exit {e['clean_exit']}, worst ratio {e['worst_ratio']:.3g}, "
+                         f"{e['seconds']:.2f} s; {faults}")
+        for name, e in f.get("determinism", {}).get("cases", {}).items():
+            det, default = e["deterministic"], e["default"]
+            floor = ", ".join(f"{t} {x:.3g}" for t, x in default["noise_floor"].items()) or "none"
+            lines.append(f"- determinism {name}: deterministic mode bit-identical: {det['bit_identical']}"
+                         + ("" if det["bit_identical"] else f" (differs: {det['noise_floor']})")
+                         + f"; default kernels' run-to-run noise floor (x bound): {floor}")
+        dp = f.get("data_parallel", {})
+        if "world_size" in dp:
+            lines.append(f"- data parallel: {dp['world_size']} rank(s), {dp['backend']}: clean exit {dp['clean_exit']} "
+                         f"({dp['clean_seconds']} s, single-process agreement {dp['single_process_worst']:.3g}); "
+                         f"fault on the last rank flagged {dp['fault_flagged']}, ranks named {dp['fault_ranks']}")
+        for name in ("verdicts", "determinism", "data_parallel"):
+            if "error" in f.get(name, {}):
+                lines += ["", f"{name} crashed:", "```", f[name]["error"], "```"]
+    for log in ("bench_core", "bench_diagnostics"):
+        path = folder / f"{log}.log"
+        if path.exists():
+            lines += ["", f"## {log}", "", "```", path.read_text().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="where to write the figures (JSON)")
+    parser.add_argument("--summarize", metavar="DIR", help="instead, print the summary of gpu_check.sh's folder DIR")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the same checks on the CPU, a dry run of this script (default: %(default)s)")
+    args = parser.parse_args()
+    if args.summarize:
+        print(summarize(Path(args.summarize)), end="")
+        return 0
+    if not args.out:
+        parser.error("--out FILE is required")
+    global DEV, WHERE
+    if args.device == "cpu":
+        DEV, WHERE = torch.device("cpu"), "cpu"
+    elif not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name(0) if WHERE == "gpu" else "none (dry run on the CPU)"
+    figures = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": gpu,
+               "gpus": torch.cuda.device_count(), "accumcheck": accumcheck.__version__}
+    ok = True
+    for name, check in (("verdicts", check_verdicts), ("determinism", check_determinism),
+                        ("data_parallel", check_data_parallel)):
+        started = time.perf_counter()
+        try:
+            figures[name] = check()
+        except Exception:  # one check's crash is recorded; the others still run
+            figures[name] = {"ok": False, "error": traceback.format_exc()}
+        figures[name]["seconds"] = round(time.perf_counter() - started, 1)
+        ok &= figures[name]["ok"]
+        print(f"{name}: {'PASS' if figures[name]['ok'] else 'FAIL'} ({figures[name]['seconds']} s)", flush=True)
+    with open(args.out, "w") as handle:
+        json.dump(figures, handle, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
