@@ -97,7 +97,7 @@ def test_malformed_case_names_file_key_and_problem(tmp_path, edit, fragment):
 def test_missing_case_file_and_unknown_name():
     with pytest.raises(CaseError, match="cannot read case file"):
         load_case("/nonexistent/case.toml")
-    with pytest.raises(CaseError, match="unknown case 'nope'; built-in cases: embed-attention"):
+    with pytest.raises(CaseError, match="unknown case 'nope'; built-in cases: conditional-branch, embed-attention"):
         resolve_case("nope")
 
 
@@ -140,3 +140,35 @@ tie = "missing"
         parse_case(text, "t.toml")
     case = parse_case(text.replace('"missing"', '"emb"'), "t.toml")
     assert case.num_classes == 7
+
+
+CONDITIONAL = MINIMAL.replace('units = 2\n', '''units = 4
+[[layers]]
+type = "conditional"
+name = "branch"
+every = 3
+body = [{ type = "dense", name = "proj", units = 4 }]
+[[layers]]
+type = "dense"
+name = "out"
+units = 2
+''')
+
+
+def test_a_conditional_branch_prefixes_its_parameters_and_gates_by_micro_batch_index():
+    case = parse_case(CONDITIONAL)
+    assert [p.name for p in case.parameters()] == ["fc.weight", "fc.bias", "branch.proj.weight", "branch.proj.bias",
+                                                   "out.weight", "out.bias"]
+    assert [case.gates(k) for k in range(7)] == [[True], [False], [False], [True], [False], [False], [True]]
+    assert [case.batch(k).index for k in (0, 5)] == [0, 5]
+    assert parse_case(CONDITIONAL).to_document()["layers"][1]["every"] == 3
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (("every = 3", "every = 0"), "every: must be a positive integer, got 0"),
+    (("every = 3\n", ""), "every: missing required key"),
+    (('units = 4 }', 'units = 5 }'), "its body maps width 4 to 5; a conditional branch needs equal widths"),
+])
+def test_a_malformed_conditional_branch_is_named(edit, fragment):
+    with pytest.raises(CaseError, match=fragment.replace("(", r"\(")):
+        parse_case(CONDITIONAL.replace(*edit))

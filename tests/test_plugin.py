@@ -83,8 +83,11 @@ def test_default_runs_every_builtin_case_at_its_own_steps(pytester):
         def test_case(accum_case, accum_steps):
             assert accum_steps is None
     """)
+    from accumcheck.cases import builtin_case_names
+
     result = pytester.runpytest("-q")
-    result.assert_outcomes(passed=5)  # one per built-in case
+    assert len(builtin_case_names()) == 6
+    result.assert_outcomes(passed=6)  # one per built-in case
 
 
 def test_missing_framework_is_skipped_with_the_reason(pytester):
