@@ -1,4 +1,4 @@
-"""Core performance figures of accumcheck, as three ratios from one run (torch backend; CPU, or
+"""Core performance figures of accumcheck, as ratios from one run (torch backend; CPU, or
 (a) and (c) with --device cuda).
 
 (a) overhead   wall time of ``accumcheck.compare(case="transformer-small", accum_steps=N)`` over a
@@ -17,6 +17,11 @@
                in float64) against ``torch.testing.assert_close(A, B)`` (AssertionError caught;
                its time counts). Also for A == B. Target >= 5x.
 
+(d) mxnet      compare(framework="mxnet") over one plain grad_req='add' loop. Target <= 2.2.
+(e) data       compare(world_size=2) over a plain DDP job (no_sync for all but the last micro-step),
+    parallel   both spawned the same way (torch.multiprocessing, gloo, 2 ranks; spawning and importing
+               torch count in both). No target: it says what the data-parallel checks cost.
+
 Targets are informational: a MISS is printed, and the script still exits 0.
 
     python benchmarks/bench_core.py               # full run, ~1-2 min on 2 cores
@@ -28,6 +33,7 @@ Targets are informational: a MISS is printed, and the script still exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -202,6 +208,47 @@ def verdict(value: float, target: float, at_most: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+# ----------------------------------------------------------------------------- (e) data parallel
+
+
+def _plain_ddp_rank(rank: int, world: int, folder: str, steps: int) -> None:
+    """One rank of the plain job (e) compares with: DDP, no_sync() for all but the last micro-step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    case = resolve_case(CASE)
+    ddp = DistributedDataParallel(build_model(case, case.weights(), torch.float32, torch.device("cpu")))
+    for step in range(steps):
+        batch = case.batch(step * world + rank)
+        with ddp.no_sync() if step < steps - 1 else contextlib.nullcontext():
+            case_loss(case, ddp(torch.from_numpy(batch.inputs)), torch.from_numpy(batch.labels)).backward()
+    dist.barrier()
+    del ddp
+    dist.destroy_process_group()
+
+
+def bench_data_parallel(steps: int, reps: int, world: int = 2) -> dict:
+    """compare(world_size=2) over the plain DDP job, both started the same way (torch.multiprocessing,
+    gloo, W ranks on this machine): what the per-micro-step all-reduce of manual, the float64 sums,
+    gathering every rank's view, the single-process reference and judging add."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    def plain() -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            mp.start_processes(_plain_ddp_rank, args=(world, folder, steps), nprocs=world, start_method="spawn")
+
+    t = medians({
+        "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, world_size=world),
+        "plain": plain,
+    }, reps)
+    return {"steps": steps, "reps": reps, "world": world, "compare_s": t["compare"], "plain_s": t["plain"],
+            "ratio": t["compare"] / t["plain"]}
+
+
 # ----------------------------------------------------------------------------- (d) MXNet
 
 
@@ -261,6 +308,8 @@ def main() -> int:
     phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
     phases["d"], mxb = (0.0, None) if on_gpu else timed_value(lambda: bench_mxnet(steps=8 if q else 32,
                                                                                   reps=3 if q else 7))
+    phases["e"], dp = (0.0, None) if on_gpu else timed_value(lambda: bench_data_parallel(steps=8 if q else 32,
+                                                                                         reps=1 if q else 3))
 
     rows = [
         ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}, {args.device}", over["ratio"], "<= 1.2",
@@ -282,6 +331,11 @@ def main() -> int:
                      verdict(mxb["ratio"], 2.2, True),
                      f"{mxb['compare_s'] * 1e3:.0f} ms / {mxb['plain_s'] * 1e3:.0f} ms, mxnet {mxb['mxnet']}, "
                      f"median of {mxb['reps']}"))
+    if dp is not None:
+        rows.append(("(e) data par.", f"compare --world-size {dp['world']} / plain DDP no_sync job, N={dp['steps']}",
+                     dp["ratio"], "-", "",
+                     f"{dp['compare_s']:.2f} s / {dp['plain_s']:.2f} s (both spawn {dp['world']} ranks), "
+                     f"median of {dp['reps']}"))
     print()
     print(f"{'figure':<15} {'measures':<50} {'ratio':>7}  {'target':<8} {'':<4}  detail")
     for name, what, ratio, target, ok, detail in rows:
@@ -295,10 +349,10 @@ def main() -> int:
           f"assert_close raised: {comp['differ']['assert_close_raised']}; "
           f"A == B: verdict {comp['identical_verdict']}, assert_close raised: {comp['identical']['assert_close_raised']}")
     elapsed = time.perf_counter() - started
-    print(f"total {elapsed:.0f} s (a {phases['a']:.0f} s, b {phases['b']:.0f} s, c {phases['c']:.0f} s, d {phases['d']:.0f} s)")
+    print(f"total {elapsed:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
 
     if args.json:
-        figures = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp, "mxnet": mxb,
+        figures = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed, "overhead": over, "memory": mem, "comparator": comp, "mxnet": mxb, "data_parallel": dp,
                    "targets": {"overhead": 1.2, "memory": 1.05, "comparator": 5.0}}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
