@@ -140,11 +140,12 @@ def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> R
         try:
             while not context.join(timeout=0.1):
                 drain()
-        except mp.ProcessExitedException:
+        except mp.ProcessExitedException as exc:
             errors = sorted(Path(folder).glob("error-*.txt"))
             if errors:
                 raise AccumcheckError(errors[0].read_text()) from None
-            raise
+            # Not a usage error: a rank crashed (its own output, above, says where).
+            raise RuntimeError(f"rank {exc.error_index} of the data-parallel run died: {exc}") from None
         drain()
         with open(Path(folder) / "result.pkl", "rb") as handle:
             return pickle.load(handle)
@@ -158,6 +159,7 @@ def _spawned(rank: int, world_size: int, folder: str, job: dict[str, Any], queue
     import torch.distributed as dist
 
     faulthandler.enable()  # a rank that crashes in native code says where
+
     def report(phase: str, done: int, total: int) -> None:
         queue.put((phase, done, total))
 
