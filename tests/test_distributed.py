@@ -206,3 +206,12 @@ def test_the_pytest_option_runs_accum_compare_data_parallel(pytester):
                                            "--accum-framework", "torch", "--accum-steps", "8")
     result.stdout.fnmatch_lines(["*--accum-world-size 2*", "*1 passed*"])
 
+
+
+def test_oracle_and_a_float64_manual_buffer_work_on_two_ranks():
+    report = _compare("shared-weight", oracle=True, accum_dtype="float64")
+    assert report.exit_code == 0 and report.accum_dtype == "float64"
+    for t in report.tensors:
+        # The float64 model over the same 32 micro-batches: both modes sit at float32 forward error.
+        assert 0 < t.oracle_err_native < 1e-5 and 0 < t.oracle_err_manual < 1e-5
+    assert "--oracle --world-size 2 --accum-dtype float64" in report.reproduce_command()

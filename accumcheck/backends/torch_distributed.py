@@ -41,7 +41,8 @@ from ..errors import AccumcheckError
 from ..faults import Fault
 from ..launch import launched_world_size
 from .base import ParamAccumulation, Progress, RankAccumulation, RunResult
-from .torch_backend import _accumulate, _inputs, _numpy, accumulate, build_model, case_loss, deterministic
+from .torch_backend import (TorchBackend, _accumulate, _inputs, _numpy, accumulate, build_model, case_loss,
+                            deterministic)
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 # A rank waits this long for the others at a collective before giving up (the single-process
@@ -293,7 +294,7 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         "reference": f"one process, the {world_size * steps} global micro-batches, divided by {world_size}",
         "micro_batches": "rank r, micro-step k: global micro-batch k*W + r",
     }
-    return RunResult(params=params, framework="torch", versions=_versions(), device=name, param_dtype="float32",
+    return RunResult(params=params, framework="torch", versions=TorchBackend().versions(), device=name, param_dtype="float32",
                      accum_dtype=job["accum_dtype"], losses=losses, settings=settings, ranks=ranks,
                      data_parallel=data_parallel)
 
@@ -333,12 +334,3 @@ def _single_process(case: Case, weights: dict[str, np.ndarray], steps: int, worl
         run64 = _accumulate(case, model64, total, dev, None, progress, "float64 oracle")
         exact_oracle = {name: _numpy(g / world_size) for name, g in run64["native"].items()}
     return single, exact_oracle, run["loss"]
-
-
-def _versions() -> dict[str, str]:
-    import torch
-
-    found = {"torch": torch.__version__}
-    if torch.version.cuda:
-        found["cuda"] = torch.version.cuda
-    return found
