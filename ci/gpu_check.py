@@ -19,6 +19,7 @@ Exit status: 0 when every check holds, 1 otherwise (the noise floor is reported,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -55,21 +56,23 @@ def check_verdicts() -> dict:
     return {"ok": all(e["ok"] for e in out.values()), "cases": out}
 
 
+@contextlib.contextmanager
+def _default_kernels():
+    """PyTorch's default (possibly nondeterministic) kernels for the duration."""
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved)
+
+
 def _twice(case, deterministic_on: bool) -> tuple[dict, dict]:
     runs = []
     for _ in range(2):
-        if deterministic_on:
-            with deterministic(DEV):
-                runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
-                                        DEV, None, None, "determinism"))
-        else:
-            saved = torch.are_deterministic_algorithms_enabled()
-            torch.use_deterministic_algorithms(False)
-            try:
-                runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
-                                        DEV, None, None, "determinism"))
-            finally:
-                torch.use_deterministic_algorithms(saved)
+        with deterministic(DEV) if deterministic_on else _default_kernels():
+            runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
+                                    DEV, None, None, "determinism"))
     return runs[0], runs[1]
 
 

@@ -217,9 +217,6 @@ def full_batch_check(case: Case, weights: dict[str, np.ndarray], accum_steps: in
     the two are equivalent (within SEMANTIC_TOLERANCE)."""
     import torch
 
-    if case.conditional_layers():
-        raise AccumcheckError(f"--full-batch: case {case.name!r} routes each micro-batch through its conditional "
-                              "layers on its own, so the whole batch has no single route; drop --full-batch")
     micro = _accumulate(case, build_model(case, weights, torch.float64, dev), accum_steps, dev, None, progress,
                         "float64 micro-batches")["native"]
     batches = [case.batch(k) for k in range(accum_steps)]  # the whole batch at once: memory grows with N
