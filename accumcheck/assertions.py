@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .crosscheck import CrossReport
-from .render import cross_summary, num, summary_line, tensor_details
-from .report import Report
+from .render.text import cross_summary, num, summary_line, tensor_details
+from .report import CrossReport, Report
 
 
 class AccumulationMismatch(AssertionError):

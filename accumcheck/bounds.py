@@ -90,6 +90,12 @@ class ModeBound:
         absolute = sum(k * SMALLEST_NORMAL[d] for d, k in per_dtype.items())
         return cls(stages[0][0], total, relative, absolute)
 
+    def plus(self, other: "ModeBound") -> "ModeBound":
+        """The bound on the difference of two sums, each within its own bound of the same E:
+        the two bounds added (the first one's dtype)."""
+        return ModeBound(self.dtype, 0, self.relative + other.relative, self.absolute + other.absolute,
+                         tensor=self.tensor + other.tensor)
+
     def floor(self, absum_rms: float) -> float:
         """The absolute part of the bound, for a tensor whose S has root-mean-square ``absum_rms``."""
         return self.absolute + self.tensor * absum_rms

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import AccumcheckError
+from .options import FAULT_KINDS
 
-FAULT_KINDS = ("drop-step", "double-step", "scale", "bf16", "roundoff")
 SCALE_FACTOR = 1.0 + 1e-3
 ROUNDOFF_BLOCK = 4
 
@@ -34,9 +34,13 @@ class Fault:
     param: str | None = None
     step: int | None = None
 
+    @property
+    def target(self) -> str:
+        """KIND[:PARAM]: what ``--inject`` takes to aim the same fault again."""
+        return self.kind + (f":{self.param}" if self.param else "")
+
     def __str__(self) -> str:
-        text = self.kind + (f":{self.param}" if self.param else "")
-        return text + (f"@{self.step}" if self.step is not None and self.kind in _ONE_STEP else "")
+        return self.target + (f"@{self.step}" if self.step is not None and self.kind in _ONE_STEP else "")
 
 
 _ONE_STEP = ("drop-step", "double-step", "scale")

@@ -1,54 +1,279 @@
-"""Value parsers shared by the CLI and the pytest plugin: each raises ArgumentTypeError with a
-message that says what was wrong and what to write instead."""
+"""The one specification of accumcheck's options, shared by the command line, the pytest plugin
+and the Python API.
+
+One ``Option`` describes one setting for every way in: ``add_to(add_argument, prefix)`` puts it on
+an argparse parser (``accumcheck``'s subcommands) or a pytest option group (``--accum-*``), the
+way pytest-benchmark's ``add_display_options(addoption, prefix)`` does, and ``validate`` checks
+the same setting given as a Python value (``accumcheck.compare(...)``). A value is parsed and
+checked by the same rule on every path, and a bad one is told in one line: what was wrong and
+what to write instead. ``RUN_OPTIONS`` lists a comparison's options; ``command_line`` rebuilds
+the command that reruns one from a report's record of them. This module imports nothing heavy:
+the pytest plugin reads it at every pytest start.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+Check = Callable[[Any], Any]  # a Python value -> the value; raises ValueError saying what is wrong
+
+DTYPES = ("float32", "bfloat16", "float16")
+ACCUM_DTYPES = ("float32", "float64")
+MODES = ("native", "accumulator", "compensated")
+REDUCTIONS = ("mean", "sum", "token_count")
+FAULT_KINDS = ("drop-step", "double-step", "scale", "bf16", "roundoff")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or str(text).strip().lstrip("+") != str(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (e.g. 32)")
+@dataclass(frozen=True)
+class Option:
+    """One setting. ``name`` is its keyword (the Python API, RunConfig's field); ``flag`` its
+    command-line name without dashes (``accum-steps``: ``--accum-steps`` on the command line,
+    ``--accum-steps`` in pytest too, where every flag starts with ``--accum-``).
+
+    ``parse`` turns command-line text into a value (default: ``check`` of the text); ``check``
+    validates a value (default: any). ``switch`` options are booleans (``--oracle`` /
+    ``--no-oracle``). ``capability`` names the field of a backend's Capabilities that must admit a
+    value other than the default; ``requires`` the options without which this one means nothing;
+    ``one_framework`` refuses it when two frameworks are compared. ``pytest`` is "list" when the
+    plugin offers it as a comma list (one test run per item), "value" when as one value, None
+    when not at all. ``reproduce`` says when a reproduce line carries it: "always", "changed"
+    (when not the default) or "never"."""
+
+    name: str
+    flag: str
+    help: str
+    default: Any = None
+    check: Check | None = None
+    parse: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False
+    capability: str | None = None
+    requires: tuple[str, ...] = ()
+    one_framework: bool = False
+    pytest: str | None = None
+    reproduce: str = "changed"
+
+    def validate(self, value: Any) -> Any:
+        """``value`` checked (None stays None where the default is None). Raises ValueError."""
+        if value is None and self.default is None:
+            return None
+        if self.switch:
+            if not isinstance(value, bool):
+                raise ValueError(f"{value!r} is not True or False")
+            return value
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(self.choices)}")
+        return self.check(value) if self.check is not None else value
+
+    def from_text(self, text: str) -> Any:
+        """Command-line text as a value; raises argparse.ArgumentTypeError with the reason."""
+        try:
+            return self.parse(text) if self.parse is not None else self.validate(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    def add_to(self, add_argument: Callable[..., Any], prefix: str = "--", as_list: bool = False,
+               default: Any = ..., help_suffix: str = "") -> None:
+        """Declare the option through ``add_argument`` (argparse's ``add_argument`` or pytest's
+        ``addoption``) as ``prefix + flag``; ``as_list`` takes a comma list. ``default``
+        overrides the option's own default (backend options are declared unset, None)."""
+        default = self.default if default is ... else default
+        # pytest's prefix already says "accum-": --accum-steps, not --accum-accum-steps
+        word = prefix.strip("-")
+        flag = self.flag[len(word) + 1:] if word and self.flag.startswith(word + "-") else self.flag
+        shown = "" if default is None else " (default: %(default)s)"
+        text = self.help + help_suffix + shown
+        if self.switch:
+            add_argument(prefix + flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            return
+        parse = comma_list(self.from_text) if as_list else self.from_text
+        add_argument(prefix + flag, type=parse, default=default, metavar=self.metavar or _metavar(self), help=text)
+
+
+def _metavar(option: Option) -> str:
+    return "|".join(option.choices) if option.choices else option.flag.upper().replace("-", "_")
+
+
+# ----------------------------------------------------------------------------- value rules
+
+
+def integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        raise ValueError(f"{value!r} is not an integer")
     return value
 
 
-def positive_int_list(text: str) -> list[int]:
-    """'16,32' -> [16, 32]."""
-    items = [item.strip() for item in text.split(",")]
-    if not all(items):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive integers (e.g. 16,32)")
-    return [positive_int(item) for item in items]
+def positive_int(value: Any) -> int:
+    number = _int_or_none(value)
+    if number is None or number < 1:
+        raise ValueError(f"{value!r} is not a positive integer (e.g. 32)")
+    return number
 
 
-def integer(text: str) -> int:
+def non_negative_int(value: Any) -> int:
+    number = _int_or_none(value)
+    if number is None or number < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer (e.g. 0)")
+    return number
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        return int(value)
+    return None
+
+
+def positive_float(value: Any) -> float:
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        number = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        number = -1.0
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{value!r} is not a positive number (e.g. 1e-3)")
+    return number
 
 
-def choice_list(choices: tuple[str, ...]):
-    """A parser for a comma list whose items must be among ``choices``."""
-
-    def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",")]
-        bad = [item for item in items if item not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}")
-        return items
-
-    return parse
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number (e.g. 1e-3)")
+def text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{value!r} is not a non-empty text")
     return value
+
+
+def comma_list(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A parser for a comma list whose items ``parse`` takes one by one."""
+
+    def parse_list(value: str) -> list[Any]:
+        items = [item.strip() for item in value.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"{value!r} is not a comma list (e.g. 16,32)")
+        return [parse(item) for item in items]
+
+    return parse_list
+
+
+# ----------------------------------------------------------------------------- the run options
+# Every option of a comparison, in the order a reproduce line gives them.
+
+
+
+def device_text(value: Any) -> str:
+    """cpu, gpu, cuda, gpu:N or cuda:N."""
+    kind, _, index = text(value).partition(":")
+    if kind not in ("cpu", "gpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"unknown device {value!r}; use cpu, gpu, cuda or cuda:N")
+    return value
+
+
+def device_kind(device: str) -> str:
+    """"cpu" or "gpu" (a CUDA device by any of its names)."""
+    return "cpu" if device == "cpu" else "gpu"
+
+
+def framework_names(value: Any) -> tuple[str, ...]:
+    """One framework name, or several (a comma text, a list)."""
+    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(item, str) and item.strip() for item in items):
+        raise ValueError(f"{value!r} is not a framework name or a comma list of them (NAME or NAME,NAME)")
+    return tuple(item.strip() for item in items)
+
+
+def case_argument(value: Any) -> Any:
+    """A case's name or file (a Case object is taken as it is, before any check)."""
+    if isinstance(value, (str, Path)) and str(value):
+        return value
+    raise ValueError(f"{value!r} is not a case name or a case file")
+
+
+def fault_text(value: Any) -> Any:
+    """KIND[:PARAM] (a Fault object is taken as it is, before any check)."""
+    if isinstance(value, str) and value:
+        return value
+    raise ValueError(f"{value!r} is not a fault (KIND[:PARAM], KIND one of {', '.join(FAULT_KINDS)})")
+
+
+RUN_OPTIONS: tuple[Option, ...] = (
+    Option("framework", "framework", "the framework, or two (comma-separated) to compare them too (default: the "
+           "first installed)", check=framework_names, metavar="NAME[,NAME]", pytest="list", reproduce="always"),
+    Option("device", "device", "cpu, gpu, cuda or cuda:N", default="cpu", check=device_text, metavar="DEV",
+           pytest="list", reproduce="always"),
+    Option("case", "case", "a built-in case (see `accumcheck cases`) or a case .toml file", default="embed-attention",
+           check=case_argument, metavar="NAME|PATH", pytest="list", reproduce="always"),
+    Option("accum_steps", "accum-steps", "micro-steps to accumulate (default: the case's own)", check=positive_int,
+           metavar="N", pytest="list", reproduce="always"),
+    Option("seed", "seed", "override the case's seed", check=non_negative_int, metavar="S", reproduce="always"),
+    Option("oracle", "oracle", "also run the whole model in float64", default=False, switch=True,
+           capability="oracle"),
+    Option("full_batch", "full-batch", "also compare with the whole batch's gradient in one backward pass "
+           "(float64)", default=False, switch=True, capability="full_batch", one_framework=True),
+    Option("loss_reduction", "loss-reduction", "override the case's loss normalisation (token_count: divide by "
+           "the accumulation's tokens)", choices=REDUCTIONS),
+    Option("inject", "inject", f"perturb the native accumulation: {', '.join(FAULT_KINDS)}", check=fault_text,
+           metavar="KIND[:PARAM]"),
+    Option("world_size", "world-size", "run data-parallel on W ranks: native accumulation across ranks against "
+           "an all-reduce every micro-step and one process over the same micro-batches (default: one process; "
+           "under torchrun: its WORLD_SIZE)", check=positive_int, metavar="W", capability="data_parallel",
+           one_framework=True, pytest="value"),
+    Option("reduce_dtype", "reduce-dtype", "with --world-size: the dtype of the all-reduce", default="float32",
+           choices=DTYPES, capability="reduce_dtypes", requires=("world_size",), one_framework=True),
+    Option("inject_rank", "inject-rank", "with --world-size: the rank whose native accumulation --inject perturbs "
+           "(default: 0)", check=non_negative_int, metavar="R", requires=("world_size", "inject"),
+           one_framework=True),
+    Option("dtype", "dtype", "parameters and gradients, so the native accumulation", default="float32",
+           choices=DTYPES, capability="dtypes", one_framework=True),
+    Option("accum_dtype", "accum-dtype", "the manual buffer", default="float32", choices=ACCUM_DTYPES,
+           capability="accum_dtypes", one_framework=True),
+    Option("mode", "mode", "what is compared with the manual buffer: the framework's own accumulation, or its "
+           "GradAccumulator, plain or compensated", default="native", choices=MODES, capability="modes",
+           one_framework=True),
+    Option("grad_norms", "grad-norms", "also log each mode's per-layer gradient norms to TensorBoard event files "
+           "in DIR", check=text, metavar="DIR", one_framework=True, reproduce="never"),
+)
+OPTIONS_BY_NAME = {option.name: option for option in RUN_OPTIONS}
+
+# ``accumcheck train``: its own options, and the run options it takes.
+TRAIN_OPTIONS: tuple[Option, ...] = (
+    Option("steps", "steps", "optimizer steps", default=20, check=positive_int, metavar="K"),
+    Option("optimizer", "optimizer", "the optimizer", default="adam", choices=("adam", "sgd")),
+    Option("lr", "lr", "learning rate", default=1e-3, check=positive_float, metavar="LR"),
+)
+TRAIN_RUN_OPTIONS = ("framework", "device", "case", "accum_steps", "seed", "inject", "oracle")
+
+
+def command_line(record: dict[str, Any], command: str = "accumcheck compare") -> str:
+    """The command that reruns a comparison whose ``RunConfig.record()`` is ``record``."""
+    parts = [command]
+    for option in RUN_OPTIONS:
+        if option.name not in record or option.reproduce == "never":
+            continue
+        value = record[option.name]
+        if value is None or (option.reproduce == "changed" and value == option.default):
+            continue
+        parts.append(_flag(option.flag, value))
+    parts += [_flag(name.replace("_", "-"), value) for name, value in record.get("backend_options", {}).items()]
+    return " ".join(parts)
+
+
+def _flag(flag: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
+
+
+def add_options(add_argument: Callable[..., Any], options: Iterable[Option], prefix: str = "--",
+                as_lists: bool = False) -> None:
+    """Declare ``options`` through ``add_argument`` (argparse or pytest's ``addoption``).
+    ``as_lists`` declares them as the plugin does: unset by default, and a comma list for the
+    options it runs once per item."""
+    for option in options:
+        option.add_to(add_argument, prefix, as_list=as_lists and option.pytest == "list",
+                      default=None if as_lists else ...)

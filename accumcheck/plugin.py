@@ -1,67 +1,76 @@
 """pytest plugin: ``pytest --accum-steps 16,32`` runs accumulation checks at each setting.
 
-Hooks and fixtures only; the logic lives in the library. Options (group "accumcheck"):
---accum-steps, --accum-framework, --accum-device, --accum-case, --accum-world-size, --accum-report. Tests that ask
-for the fixtures ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run
-once per combination; ``accum_compare`` runs a case with them and saves its report.
+Options, hooks and fixtures only; the logic lives in the library, imported when a test asks for
+it, so that a test run that does not use accumcheck pays nothing for it being installed. Options
+(group "accumcheck") come from the same specification as the command line's:
+--accum-steps, --accum-framework, --accum-device, --accum-case (comma lists: one run of each
+test per item), --accum-world-size, --accum-report. Tests that ask for the fixtures
+``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run once per
+combination; ``accum_compare`` runs a case with them and saves its report.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from .backends import FRAMEWORKS
-from .options import choice_list, positive_int, positive_int_list
+from .options import RUN_OPTIONS, add_options
 
-DEVICES = ("cpu", "gpu")
-
-
-def _case_list(text: str) -> list[str]:
-    from .cases import builtin_case_names
-
-    items = [item.strip() for item in text.split(",")]
-    known = builtin_case_names()
-    for item in items:
-        if item not in known and not item.endswith(".toml"):
-            raise argparse.ArgumentTypeError(f"{item!r} is not a built-in case ({', '.join(known)}) nor a .toml path")
-    return items
+_PLUGIN_OPTIONS = [option for option in RUN_OPTIONS if option.pytest]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("accumcheck", "gradient accumulation checks (accumcheck)")
-    group.addoption("--accum-steps", type=positive_int_list, metavar="N[,N...]", default=None,
-                    help="accumulation steps to run each check at, e.g. 16,32 (default: each case's own)")
-    group.addoption("--accum-framework", type=choice_list(FRAMEWORKS), metavar="NAME[,NAME]", default=None,
-                    help=f"frameworks to check: {','.join(FRAMEWORKS)} (default: the installed ones)")
-    group.addoption("--accum-device", type=choice_list(DEVICES), metavar="DEV[,DEV]", default=None,
-                    help="devices: cpu,gpu; gpu runs are skipped where there is none (default: cpu)")
-    group.addoption("--accum-case", type=_case_list, metavar="NAME[,NAME]", default=None,
-                    help="cases for tests that use accum_case (default: every built-in case)")
-    group.addoption("--accum-world-size", type=positive_int, metavar="W", default=None,
-                    help="run accum_compare data-parallel on W ranks (torch.distributed; default: one process)")
+    add_options(group.addoption, _PLUGIN_OPTIONS, prefix="--accum-", as_lists=True)
     group.addoption("--accum-report", metavar="DIR", default=None,
                     help="write each accum_compare run's JSON and markdown report into DIR (default: none)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse an unknown framework or case before any test runs (a typo would otherwise skip)."""
+    frameworks, cases = _names(config.getoption("--accum-framework")), config.getoption("--accum-case") or []
+    if not frameworks and not cases:
+        return
+    from .casefile import resolve_case
+    from .errors import AccumcheckError
+    from .registry import backend_names
+
+    for name in frameworks:
+        if name not in backend_names():
+            raise pytest.UsageError(f"argument --accum-framework: {name!r} is not a framework here "
+                                    f"(known: {', '.join(backend_names())})")
+    for case in cases:
+        try:
+            resolve_case(case)
+        except AccumcheckError as exc:
+            raise pytest.UsageError(f"argument --accum-case: {exc}") from None
+
+
 def _settings(config: pytest.Config) -> dict[str, list]:
-    from .backends import installed_frameworks
-    from .cases import builtin_case_names
+    """The values each parametrised fixture runs over (the options given, else the defaults:
+    the case's own steps, the installed frameworks, the CPU, every built-in case)."""
+    from .casefile import builtin_case_names
+    from .registry import installed_backends
 
     return {
         "steps": config.getoption("--accum-steps") or [None],
-        "framework": config.getoption("--accum-framework") or installed_frameworks() or list(FRAMEWORKS),
+        "framework": _names(config.getoption("--accum-framework")) or installed_backends(),
         "device": config.getoption("--accum-device") or ["cpu"],
         "case": config.getoption("--accum-case") or builtin_case_names(),
     }
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def _names(lists: list | None) -> list[str]:
+    """--accum-framework items (each parsed as a tuple of names), flattened."""
+    return [name for item in lists or [] for name in item]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not any(config.getoption(f"--accum-{name}") for name in ("steps", "framework", "device", "case", "world-size")):
+        return None  # nothing asked of accumcheck: say nothing, load nothing
     s = _settings(config)
     steps = ",".join("case default" if n is None else str(n) for n in s["steps"])
     flags = (f"--accum-steps {steps} --accum-framework {','.join(s['framework'])} "
@@ -74,19 +83,32 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    wanted = {"accum_steps", "accum_framework", "accum_device", "accum_case"} & set(metafunc.fixturenames)
+    if not wanted:
+        return
     s = _settings(metafunc.config)
-    if "accum_steps" in metafunc.fixturenames:
+    if "accum_steps" in wanted:
         metafunc.parametrize("accum_steps", s["steps"], indirect=True,
                              ids=[f"N{n}" if n else "Ndefault" for n in s["steps"]])
-    if "accum_framework" in metafunc.fixturenames:
-        params = [pytest.param(f, marks=() if importlib.util.find_spec(f) else
-                                pytest.mark.skip(reason=f"{f} is not installed (pip install 'accumcheck[{f}]')"))
-                  for f in s["framework"]]
-        metafunc.parametrize("accum_framework", params, indirect=True, ids=s["framework"])
-    if "accum_device" in metafunc.fixturenames:
+    if "accum_framework" in wanted:
+        metafunc.parametrize("accum_framework", [_framework_param(name) for name in s["framework"]], indirect=True,
+                             ids=s["framework"])
+    if "accum_device" in wanted:
         metafunc.parametrize("accum_device", s["device"], indirect=True, ids=s["device"])
-    if "accum_case" in metafunc.fixturenames:
-        metafunc.parametrize("accum_case", s["case"], indirect=True, ids=[Path(c).stem for c in s["case"]])
+    if "accum_case" in wanted:
+        metafunc.parametrize("accum_case", s["case"], indirect=True, ids=[Path(str(c)).stem for c in s["case"]])
+
+
+def _framework_param(name: str) -> Any:
+    """A framework to run, skipped (with the install hint) where it is not installed."""
+    from .errors import AccumcheckError
+    from .registry import get_backend
+
+    try:
+        get_backend(name)
+    except AccumcheckError as exc:
+        return pytest.param(name, marks=pytest.mark.skip(reason=str(exc)))
+    return name
 
 
 @pytest.fixture
@@ -96,17 +118,22 @@ def accum_steps(request: pytest.FixtureRequest) -> int | None:
 
 
 @pytest.fixture
-def accum_framework(request: pytest.FixtureRequest) -> str:
-    """The framework of this run: "torch" or "mxnet"."""
-    return getattr(request, "param", "torch")
+def accum_framework(request: pytest.FixtureRequest) -> str | None:
+    """The framework of this run (None: the first installed)."""
+    return getattr(request, "param", None)
 
 
 @pytest.fixture
-def accum_device(request: pytest.FixtureRequest, accum_framework: str) -> str:
-    """The device of this run; a gpu run is skipped where the framework sees no GPU."""
+def accum_device(request: pytest.FixtureRequest, accum_framework: str | None) -> str:
+    """The device of this run; a run on a GPU is skipped where the framework sees none."""
+    from .options import device_kind
+    from .registry import default_backend, get_backend
+
     device = getattr(request, "param", "cpu")
-    if device == "gpu" and not _has_gpu(accum_framework):
-        pytest.skip(f"{accum_framework} sees no GPU")
+    kind = device_kind(device)
+    name = accum_framework or default_backend()
+    if kind != "cpu" and not get_backend(name).has_device(kind):
+        pytest.skip(f"{name} sees no GPU")
     return device
 
 
@@ -117,20 +144,22 @@ def accum_case(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def accum_compare(request: pytest.FixtureRequest, accum_framework: str, accum_device: str,
+def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, accum_device: str,
                   accum_steps: int | None) -> Callable[..., Any]:
     """``accum_compare(case, **kwargs)``: ``accumcheck.compare`` with this run's framework,
-    device and steps (and ``world_size`` from --accum-world-size, for PyTorch); the report is
-    saved under --accum-report when given."""
-    import accumcheck
+    device and steps (and ``world_size`` from --accum-world-size where the backend runs
+    data-parallel); the report is saved under --accum-report when given."""
+    from .api import compare
+    from .registry import default_backend, get_backend
 
     world = request.config.getoption("--accum-world-size")
+    framework = accum_framework or default_backend()
 
     def run(case: str = "embed-attention", **kwargs: Any) -> Any:
-        options = {"framework": accum_framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
-        if world and accum_framework == "torch":
+        options = {"framework": framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
+        if world and get_backend(framework).capabilities.data_parallel:
             options.setdefault("world_size", world)
-        report = accumcheck.compare(case, **options)
+        report = compare(case, **options)
         _save(request, report)
         return report
 
@@ -141,22 +170,10 @@ def _save(request: pytest.FixtureRequest, report: Any) -> None:
     folder = request.config.getoption("--accum-report")
     if not folder:
         return
-    from .render import markdown
+    from .render import render
     from .report import write_atomic
 
     Path(folder).mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.nodeid).strip("_")
     write_atomic(Path(folder) / f"{stem}.json", report.to_json())
-    write_atomic(Path(folder) / f"{stem}.md", markdown(report))
-
-
-def _has_gpu(framework: str) -> bool:
-    if framework == "torch":
-        import torch
-
-        return torch.cuda.is_available()
-    if framework == "mxnet":
-        from .backends.mxnet_backend import _mx
-
-        return _mx().context.num_gpus() > 0
-    return False
+    write_atomic(Path(folder) / f"{stem}.md", render(report, "markdown"))

@@ -47,11 +47,12 @@ import numpy as np
 import torch
 
 import accumcheck
-from accumcheck.api import build_report
-from accumcheck.backends.torch_backend import TorchBackend, build_model, case_loss
 from accumcheck.bounds import ModeBound
-from accumcheck.cases import resolve_case
-from accumcheck.compare import compare_tensor  # (the attribute accumcheck.compare is the function)
+from accumcheck.casefile import resolve_case
+from accumcheck.frameworks.torch.backend import TorchBackend
+from accumcheck.frameworks.torch.model import build_model, case_loss
+from accumcheck.judge import build_report, compare_tensor
+from accumcheck.validation import configure
 
 CASE = "transformer-small"
 
@@ -107,12 +108,13 @@ def bench_overhead(steps: int, reps: int, device: str = "cpu") -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()  # the work done, not just queued
 
-    run = TorchBackend().run(case, steps, device)
+    config = configure({"case": CASE, "framework": "torch", "accum_steps": steps, "device": device})
+    run = TorchBackend().run(config)
     t = medians({
         "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, oracle=False,
                                               device=device),
         "native": native,
-        "backend_run": lambda: TorchBackend().run(case, steps, device),
+        "backend_run": lambda: TorchBackend().run(config),
         "judging": lambda: build_report(case, run, steps, None, False, 0.0),
     }, reps)
     per_step = lambda s: s / steps * 1e3  # noqa: E731
@@ -260,15 +262,15 @@ def bench_mxnet(steps: int, reps: int) -> dict | None:
         from mxnet import autograd
     except ImportError:
         return None
-    from accumcheck.backends.mxnet_backend import _case_step, _prepared
+    from accumcheck.frameworks.mxnet.passes import case_step, prepared
 
     case = resolve_case(CASE)
 
     def plain() -> None:
-        block = _prepared(case, case.weights(), "float32", mx.cpu(), True)
+        block = prepared(case, case.weights(), "float32", mx.cpu(), True)
         for p in block.canonical.values():
             p.grad_req = "add"
-        step = _case_step(case, block, mx.cpu(), "float32")
+        step = case_step(case, block, mx.cpu(), "float32")
         for index in range(steps):
             with autograd.record():
                 loss, _ = step(index)

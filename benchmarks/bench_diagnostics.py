@@ -24,7 +24,6 @@ import statistics
 import time
 
 import torch
-
 from accumcheck.diagnostics.torch import GradMonitor
 
 VOCAB, WIDTH = 512, 128

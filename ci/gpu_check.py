@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 import accumcheck
-from accumcheck.backends.torch_backend import _accumulate, _numpy, build_model, deterministic
 from accumcheck.bounds import ModeBound
-from accumcheck.cases import builtin_case, builtin_case_names
+from accumcheck.casefile import builtin_case, builtin_case_names
+from accumcheck.frameworks.torch.accumulate import case_sums
+from accumcheck.frameworks.torch.model import build_model, deterministic, to_numpy
 
 DEV = torch.device("cuda")
 WHERE = "gpu"  # accumcheck's --device; --device cpu runs the same checks on the CPU (a dry run)
@@ -71,8 +72,8 @@ def _twice(case, deterministic_on: bool) -> tuple[dict, dict]:
     runs = []
     for _ in range(2):
         with deterministic(DEV) if deterministic_on else _default_kernels():
-            runs.append(_accumulate(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
-                                    DEV, None, None, "determinism"))
+            runs.append(case_sums(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
+                                  DEV, None, None, "determinism"))
     return runs[0], runs[1]
 
 
@@ -86,9 +87,9 @@ def check_determinism() -> dict:
             a, b = _twice(case, on)
             differing = {}
             for tensor, grad in a["native"].items():
-                x, y = _numpy(grad), _numpy(b["native"][tensor])
+                x, y = to_numpy(grad), to_numpy(b["native"][tensor])
                 if not np.array_equal(x, y):
-                    absum = _numpy(a["buffers"][tensor][2]).astype(np.float64)
+                    absum = to_numpy(a["buffers"][tensor][2]).astype(np.float64)
                     floor = np.abs(x.astype(np.float64) - y) / (bound.relative * absum + bound.absolute)
                     differing[tensor] = float(np.nan_to_num(floor, nan=0.0).max())
             entry[label] = {"bit_identical": not differing, "noise_floor": differing}

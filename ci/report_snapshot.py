@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import accumcheck
-from accumcheck.cases import builtin_case_names
+
+try:
+    from accumcheck.casefile import builtin_case_names
+except ImportError:  # the layout of accumcheck 0.1.0
+    from accumcheck.cases import builtin_case_names
 
 STEPS = 16
 FRAMEWORKS = ("torch", "mxnet", "torch+mxnet")

@@ -16,10 +16,10 @@ settings.register_profile("thorough", max_examples=10_000, deadline=None)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def run_cli(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd=None, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """Run the installed ``accumcheck`` console script (through this interpreter's environment)."""
     exe = os.path.join(os.path.dirname(sys.executable), "accumcheck")
-    return subprocess.run([exe, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    return subprocess.run([exe, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install 'accumcheck[torch]')")

@@ -1,0 +1,165 @@
+"""What a framework backend is to the rest of accumcheck: what it declares it can do, the run it
+performs, and the plain arrays it hands back.
+
+Rules: a backend module imports its framework inside its methods, never at module top, so that
+finding and listing backends stays cheap and a missing framework is one AccumcheckError saying how
+to install it. A backend declares its Capabilities once; every option a backend cannot honour is
+refused centrally (``accumcheck.validation.configure``) before it runs, naming the backend and the option.
+Backends are found through the ``accumcheck.backends`` entry-point group (``accumcheck.registry``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .config import RunConfig
+from .errors import AccumcheckError
+from .options import ACCUM_DTYPES, Option
+from .report import DataParallelSetup, TrajectoryReport
+
+# Called after each micro-step with (phase, steps done, steps in this phase).
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run. An option whose Option.capability names a field here may take a
+    value other than its default only where the field admits it: a tuple lists the values, a
+    bool says yes or no. ``single_process_only`` names options it honours without
+    ``world_size`` only; ``options`` are its own (MXNet's ``hybridize``); ``trajectory`` says
+    whether it runs ``accumcheck train``."""
+
+    dtypes: tuple[str, ...] = ("float32",)
+    accum_dtypes: tuple[str, ...] = ACCUM_DTYPES
+    modes: tuple[str, ...] = ("native",)
+    oracle: bool = True
+    full_batch: bool = False
+    data_parallel: bool = False
+    reduce_dtypes: tuple[str, ...] = ("float32",)
+    single_process_only: tuple[str, ...] = ()
+    trajectory: bool = False
+    options: tuple[Option, ...] = ()
+    why_not: dict[str, str] = field(default_factory=dict)  # option name -> why it is limited here
+
+    def admits(self, option: Option, value: Any) -> bool:
+        """Whether ``option`` may take ``value`` here."""
+        allowed = getattr(self, option.capability) if option.capability else True
+        if isinstance(allowed, tuple):
+            return value in allowed
+        return bool(allowed) or value == option.default
+
+
+@dataclass
+class ParamAccumulation:
+    """One parameter after N micro-steps.
+
+    native  A: the framework's own accumulation      manual  B: zero/write + add into a buffer
+    exact   E: float64 sum of the same micro-grads    absum   S: float64 sum of their magnitudes
+    oracle  O: the same accumulation with the whole model in float64 (optional)
+    """
+
+    name: str
+    kind: str
+    native: np.ndarray
+    manual: np.ndarray
+    exact: np.ndarray
+    absum: np.ndarray
+    oracle: np.ndarray | None = None
+    # Data parallel: the same accumulation in one process over the same global micro-batches
+    # (divided by the number of ranks, as DistributedDataParallel averages).
+    reference: np.ndarray | None = None
+
+
+@dataclass
+class RankAccumulation:
+    """One rank of a data-parallel run, every dict keyed by parameter name.
+
+    local_native  the rank's own native total (N micro-steps, no synchronisation) just before
+                  the all-reduce
+    exact, absum  the rank's E and S (float64 sums of its micro-gradients and their magnitudes)
+    native        the rank's gradient after the all-reduce (every rank should hold the same)
+    """
+
+    rank: int
+    host: str
+    local_native: dict[str, np.ndarray]
+    exact: dict[str, np.ndarray]
+    absum: dict[str, np.ndarray]
+    native: dict[str, np.ndarray]
+
+
+@dataclass
+class FullBatchGap:
+    """The accumulated gradient against the whole batch's in one backward pass, both in float64:
+    the largest difference relative to the full-batch gradient's largest element, and where."""
+
+    normalisation: str
+    accumulated_scaled_by: str  # "1/N" for a mean loss, else "1"
+    max_relative_difference: float
+    worst_tensor: str
+
+
+@dataclass
+class RunResult:
+    """What a backend hands back: per-parameter accumulations as numpy arrays, and the facts of
+    the run. ``settings`` are the backend's own facts (kept in the report), ``notes`` the ones a
+    reader is told in the header."""
+
+    params: list[ParamAccumulation]
+    framework: str
+    versions: dict[str, str]
+    device: str
+    param_dtype: str
+    accum_dtype: str
+    # Allowance (in units of u, see bounds.ModeBound) where the native path's kernels add into the
+    # running total themselves and so compute micro-gradients differently from the manual path.
+    native_kernel_allowance: float = 0.0
+    losses: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Logits of micro-batch 0 in the manual pass, to compare forward passes across frameworks.
+    first_logits: np.ndarray | None = None
+    full_batch: FullBatchGap | None = None
+    # Data parallel: each rank's own view (rank order), and how the run was set up.
+    ranks: list[RankAccumulation] | None = None
+    data_parallel: DataParallelSetup | None = None
+
+
+class Backend(ABC):
+    """A framework that can build a Case and accumulate its gradients natively and by hand."""
+
+    name: str = ""  # what --framework calls it
+    package: str = ""  # the framework's import name: whether it is installed, without importing it
+    install: str = ""  # how to install it
+    preference: int = 100  # the default framework is the installed backend with the lowest
+    capabilities: Capabilities = Capabilities()
+
+    def available(self) -> bool:
+        """Whether the framework is installed (found without importing it)."""
+        return not self.package or importlib.util.find_spec(self.package) is not None
+
+    @abstractmethod
+    def has_device(self, kind: str) -> bool:
+        """Whether the framework sees a device of ``kind`` ("cpu" or "gpu") here."""
+
+    @abstractmethod
+    def versions(self) -> dict[str, str]:
+        """Versions of the framework and its accelerator runtime."""
+
+    @abstractmethod
+    def run(self, config: RunConfig, progress: Progress | None = None,
+            weights: dict[str, np.ndarray] | None = None) -> RunResult:
+        """Run ``config`` (one framework: this one): N micro-steps natively and by hand.
+        ``weights`` replaces the case's initial weights (same names and shapes). Raises
+        AccumcheckError when the device is not available."""
+
+    def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
+              progress: Progress | None = None) -> TrajectoryReport:
+        """``steps`` optimizer steps with native and manual accumulation (``accumcheck train``),
+        where ``capabilities.trajectory`` says the backend can."""
+        raise AccumcheckError(f"train: the {self.name} backend cannot run training trajectories")

@@ -1,0 +1,69 @@
+"""The run configuration: a frozen, typed RunConfig, made by ``accumcheck.validation.configure`` from the
+options ``accumcheck.options`` specifies. A report keeps ``RunConfig.record()``, from which
+``options.command_line`` rebuilds the command that reruns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .cases import Case
+from .faults import Fault
+from .options import RUN_OPTIONS
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One comparison, validated and resolved (``accumcheck.validation.configure`` builds it): the case with
+    its seed and loss normalisation applied, the number of micro-steps, the fault aimed at its
+    tensor and micro-step, and every option. ``backend_options`` holds the backend's own options
+    that were given (name, value). Frozen: it travels unchanged to each backend and rank."""
+
+    case: Case
+    accum_steps: int
+    frameworks: tuple[str, ...] = ()
+    device: str = "cpu"
+    fault: Fault | None = None
+    oracle: bool = False
+    full_batch: bool = False
+    loss_reduction: str | None = None
+    world_size: int | None = None
+    reduce_dtype: str = "float32"
+    inject_rank: int | None = None
+    dtype: str = "float32"
+    accum_dtype: str = "float32"
+    mode: str = "native"
+    grad_norms: str | None = None
+    backend_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def framework(self) -> str:
+        """The (first) framework."""
+        return self.frameworks[0]
+
+    @property
+    def fault_rank(self) -> int:
+        """The rank whose accumulation the fault perturbs in a data-parallel run."""
+        return self.inject_rank or 0
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """A backend option's value, or ``default`` where it was not given."""
+        return dict(self.backend_options).get(name, default)
+
+    def record(self) -> dict[str, Any]:
+        """The options as plain data: what a report keeps so that ``command_line`` reruns it."""
+        values = {option.name: getattr(self, option.name, None) for option in RUN_OPTIONS}
+        values.update(framework=",".join(self.frameworks), case=case_source_argument(self.case),
+                      seed=self.case.seed, inject=None if self.fault is None else self.fault.target)
+        if self.full_batch:  # the normalisation is what a full-batch check is about: say it
+            values["loss_reduction"] = self.case.loss_reduction
+        values["backend_options"] = dict(self.backend_options)
+        return values
+
+
+def case_source_argument(case: Case) -> str:
+    """What ``--case`` takes to find ``case`` again: a built-in's name, else its file."""
+    return case.name if case.source.startswith("case ") else case.source
+
+

@@ -1,1 +1,0 @@
-"""Runnable examples: ``python -m accumcheck.examples.diverge``."""

@@ -1,0 +1,43 @@
+"""The MXNet Gluon backend: ``grad_req='add'`` against ``grad_req='write'`` plus a buffer, in two
+passes (``passes``). MXNet itself is imported inside the methods only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...backend import Backend, Capabilities, Progress, RunResult
+from ...config import RunConfig
+from ...options import Option
+
+HYBRIDIZE = Option("hybridize", "hybridize", "MXNet: hybridize(static_alloc=True) the Gluon block (default: on)",
+                   switch=True)
+
+
+class MXNetBackend(Backend):
+    name = "mxnet"
+    package = "mxnet"
+    preference = 1
+    install = "pip install 'accumcheck[mxnet]'"
+    capabilities = Capabilities(
+        accum_dtypes=("float32",), options=(HYBRIDIZE,),
+        why_not={"dtype": "it runs float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for these operators",
+                 "accum_dtype": "it runs float32 only",
+                 "mode": "GradAccumulator is accumcheck.torch's; MXNet compares grad_req='add' only",
+                 "full_batch": "the full-batch reference is computed in PyTorch",
+                 "world_size": "no data-parallel mode: data-parallel runs use torch.distributed"})
+
+    def has_device(self, kind: str) -> bool:
+        from .library import mx
+
+        return kind == "cpu" or mx.context.num_gpus() > 0
+
+    def versions(self) -> dict[str, str]:
+        from .library import mx
+
+        return {"mxnet": mx.__version__}
+
+    def run(self, config: RunConfig, progress: Progress | None = None,
+            weights: dict[str, np.ndarray] | None = None) -> RunResult:
+        from .run import run
+
+        return run(config, self.versions(), progress, weights)

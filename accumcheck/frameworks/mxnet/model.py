@@ -1,0 +1,128 @@
+"""The case as a Gluon HybridBlock: contexts, the layer primitives, the loss."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ...errors import AccumcheckError
+from ...vocabulary import run_layers
+from .library import mx
+
+
+def resolve_context(device: str) -> Any:
+    """An mx.Context for "cpu", "gpu", "cuda" or "cuda:N"/"gpu:N"; AccumcheckError if unavailable."""
+    if device == "cpu":
+        return mx.cpu()
+    kind, _, index = device.partition(":")
+    if kind not in ("gpu", "cuda") or (index and not index.isdigit()):
+        raise AccumcheckError(f"--device: unknown device {device!r}; use cpu, gpu, cuda or cuda:N")
+    gpus = mx.context.num_gpus()
+    if gpus == 0:
+        raise AccumcheckError(f"--device {device}: MXNet {mx.__version__} sees no GPU "
+                              "(mx.context.num_gpus() is 0); use --device cpu or a CUDA build of mxnet")
+    number = int(index or 0)
+    if number >= gpus:
+        raise AccumcheckError(f"--device {device}: only {gpus} GPU(s) present")
+    return mx.gpu(number)
+
+
+def _sanitize(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class MXNetOps:
+    """The layer primitives (``accumcheck.vocabulary.LayerOps``) in ``F`` (mx.nd, or mx.sym when
+    hybridized). Widths come from the case: under hybridize the parameters are symbols without
+    shapes. ``gates`` is the 0/1 input that routes conditional branches; ``rank`` the number of
+    axes of the activations."""
+
+    def __init__(self, F: Any, gates: Any, rank: int) -> None:
+        self.F, self.gates, self.rank = F, gates, rank
+
+    def embedding(self, x: Any, weight: Any, vocab: int, dim: int) -> Any:
+        return self.F.Embedding(x, weight, input_dim=vocab, output_dim=dim)
+
+    def dense(self, x: Any, weight: Any, bias: Any, units: int) -> Any:
+        if bias is None:
+            return self.F.FullyConnected(x, weight, num_hidden=units, no_bias=True, flatten=False)
+        return self.F.FullyConnected(x, weight, bias, num_hidden=units, flatten=False)
+
+    def shared_dense(self, x: Any, weight: Any, bias: Any, units: int, scales: tuple[float, ...]) -> Any:
+        outs = [self.dense(x * scale, weight, bias, units) for scale in scales]
+        total = outs[0]
+        for out in outs[1:]:
+            total = total + out
+        return total
+
+    def activation(self, x: Any, fn: str) -> Any:
+        return self.F.LeakyReLU(x, act_type="gelu") if fn == "gelu" else self.F.Activation(x, act_type=fn)
+
+    def layernorm(self, x: Any, gamma: Any, beta: Any) -> Any:
+        return self.F.LayerNorm(x, gamma, beta, axis=-1, eps=LAYERNORM_EPS)
+
+    def attention(self, x: Any, projections: dict[str, tuple[Any, Any]], heads: int, width: int) -> Any:
+        F = self.F
+
+        # Shapes are symbolic when hybridized: reshape with MXNet's special codes
+        # (0 keep, -1 infer, -3 merge two axes, -4 split one).
+        def project(p: str) -> Any:
+            y = self.dense(x, *projections[p], width)
+            return y.reshape((0, 0, heads, -1)).transpose((0, 2, 1, 3)).reshape((-3, 0, 0))
+
+        q, k, v = project("q"), project("k"), project("v")
+        scores = F.batch_dot(q, k, transpose_b=True) / math.sqrt(width // heads)
+        y = F.batch_dot(F.softmax(scores, axis=-1), v)
+        y = y.reshape((-4, -1, heads, 0, 0)).transpose((0, 2, 1, 3)).reshape((0, 0, -3))
+        return self.dense(y, *projections["o"], width) if "o" in projections else y
+
+    def branch(self, x: Any, body: Any, which: int) -> Any:
+        # A hybridized graph cannot branch on data, so the branch is multiplied by its gate
+        # (1 or 0, an input): where the gate is 0 its parameters get gradients of exactly 0.
+        inner = body(x)
+        gate = self.F.slice_axis(self.gates, axis=0, begin=which, end=which + 1)
+        return x + self.F.broadcast_mul(inner, gate.reshape((1,) * self.rank))
+
+
+def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any) -> Any:
+    """The case as a Gluon HybridBlock holding ``weights``; ``canonical`` maps names to Parameters."""
+    from mxnet import gluon
+
+    shapes = {p.name: p.shape for p in case.parameters()}
+    rank = 3 if case.input.kind == "tokens" else 2
+
+    class CaseBlock(gluon.HybridBlock):
+        def __init__(self) -> None:
+            super().__init__(prefix="case_")
+            self.canonical: dict[str, Any] = {}
+            with self.name_scope():
+                for name, value in weights.items():
+                    param = self.params.get(_sanitize(name), shape=value.shape, dtype=dtype, init=mx.init.Zero())
+                    # Gluon passes a parameter to hybrid_forward under its attribute name.
+                    setattr(self, _sanitize(name), param)
+                    self.canonical[name] = param
+
+        def hybrid_forward(self, F: Any, x: Any, *gates: Any, **params: Any) -> Any:
+            named = {name: params[_sanitize(name)] for name in self.canonical}
+            return run_layers(case, x, named, MXNetOps(F, gates[0] if gates else None, rank), shapes)
+
+    block = CaseBlock()
+    block.initialize(ctx=ctx)
+    for name, param in block.canonical.items():
+        param.set_data(mx.nd.array(weights[name], ctx=ctx, dtype=dtype))
+    return block
+
+
+def case_loss(case: Case, logits: Any, labels: Any, total_tokens: int | None = None) -> Any:
+    """Softmax cross-entropy, padding ignored, as torch.nn.functional.cross_entropy computes it."""
+    classes = case.num_classes
+    flat = labels.reshape((-1,))
+    kept = flat != IGNORE_LABEL
+    picked = mx.nd.pick(mx.nd.log_softmax(logits.reshape((-1, classes)), axis=-1), mx.nd.maximum(flat, 0), axis=-1)
+    total = -(picked * kept).sum()
+    if case.loss_reduction == "token_count":
+        return total / total_tokens
+    return total / kept.sum() if case.loss_reduction == "mean" else total

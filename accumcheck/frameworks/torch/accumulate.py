@@ -1,0 +1,154 @@
+"""One backward pass per micro-step feeds native, manual, E and S together.
+
+Native accumulation is PyTorch's own: ``.grad`` accumulating across ``backward()`` calls. A hook
+on each parameter sees the micro-gradient before it is added (leaf-tensor hooks run before
+AccumulateGrad); after the backward the step is added into the manual buffer and the float64
+sums E and S. The two modes see the very same micro-gradients and nothing is kept from one
+micro-step to the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+
+from ...backend import Progress
+from ...cases import Case
+from ...faults import Fault, FaultInjector
+from ..hostsums import add_step
+from .accumulator import GradAccumulator
+from .model import case_loss, to_inputs
+
+
+class StepRecorder:
+    """Feeds manual, E and S from the micro-gradients the native path receives.
+
+    During backward the hooks only keep a reference to each parameter's micro-gradient; after
+    backward the whole step goes into flat buffers with one concatenation and one fused pass
+    (three adds on CUDA), instead of three small operations per parameter inside the backward."""
+
+    def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
+                 reduce_step: Callable[[Any], Any] | None = None) -> None:
+        self.params = params
+        # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
+        self.reduce_step = reduce_step
+        first = next(iter(params.values()))
+        total = sum(p.numel() for p in params.values())
+        self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
+        self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
+        self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
+        self.step = torch.empty(total, dtype=first.dtype, device=first.device)
+        self.grads: dict[str, Any] = {}
+
+    def flush(self) -> None:
+        """Add the step just finished into manual, E and S."""
+        grads = self.grads
+        if len(grads) < len(self.params):  # a parameter unused in this micro-step
+            for name, p in self.params.items():
+                grads.setdefault(name, torch.zeros_like(p))
+        torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
+        grads.clear()
+        if self.reduce_step is not None:
+            self.manual.add_(self.reduce_step(self.step))
+            self.exact.add_(self.step)
+            self.absum.add_(self.step.abs())
+        elif self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
+            add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        else:
+            self.manual.add_(self.step)
+            self.exact.add_(self.step)
+            self.absum.add_(self.step.abs_())
+
+    def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
+        """Per-parameter (manual, exact, absum) views of the flat buffers."""
+        out, offset = {}, 0
+        for name, p in self.params.items():
+            span = slice(offset, offset + p.numel())
+            out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
+            offset += p.numel()
+        return out
+
+
+def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None, progress: Progress | None,
+              phase: str, accum_dtype: Any = None, mode: str = "native") -> dict[str, Any]:
+    """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``."""
+    dtype = next(model.parameters()).dtype
+    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
+
+    def step_loss(step: int) -> Any:
+        batch = case.batch(step)
+        labels = torch.from_numpy(batch.labels).to(dev)
+        return case_loss(case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
+
+    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype, mode)
+
+
+def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
+               progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
+               step_context: Callable[[int], Any] | None = None,
+               reduce_step: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
+    natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
+    ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
+    what fills the native slot: "native" (``.grad`` accumulating), "accumulator" or
+    "compensated" (GradAccumulator taking each micro-step's ``.grad``).
+    ``step_context(step)``, when given, is entered around each micro-step's forward and backward
+    (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
+    the manual buffer adds (its all-reduced mean). Returns {"buffers": name -> (manual, exact, absum),
+    "native": name -> accumulated .grad, "loss": mean loss}."""
+    recorder = StepRecorder(params, accum_dtype, reduce_step)
+    handles = []
+    state = {"step": 0}
+    injector = None
+    if fault is not None:
+        injector = FaultInjector(fault, accum_steps, lambda t: t.to(torch.bfloat16).to(t.dtype))
+
+    for name, param in params.items():
+        param.grad = None
+        if injector is None or fault.param != name:
+            # A C-level callable: the hook costs no Python frame inside the backward pass.
+            handles.append(param.register_hook(functools.partial(recorder.grads.__setitem__, name)))
+            continue
+
+        def inject(grad: Any, name: str = name, param: Any = param) -> Any:
+            # A copy: the native path may adopt ``grad`` as .grad, and the bf16 fault rounds that.
+            recorder.grads[name] = grad.clone()
+            return injector.contribution(state["step"], grad, param.grad)
+
+        handles.append(param.register_hook(inject))
+        if fault.kind == "bf16":
+            def round_total(p: Any) -> None:
+                replaced = injector.after_add(state["step"], p.grad)
+                if replaced is not None:
+                    p.grad.copy_(replaced)
+
+            handles.append(param.register_post_accumulate_grad_hook(round_total))
+
+    first = next(iter(params.values()))
+    loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
+    accumulator = None
+    if mode != "native":
+        accumulator = GradAccumulator(params.values(), compensated=mode == "compensated")
+    try:
+        for step in range(accum_steps):
+            state["step"] = step
+            with step_context(step) if step_context is not None else contextlib.nullcontext():
+                loss = step_loss(step)
+                loss.backward()
+            recorder.flush()
+            if accumulator is not None:
+                accumulator.add()
+            loss_sum += loss.detach()
+            if progress is not None:
+                progress(phase, step + 1, accum_steps)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if accumulator is not None:
+        native = dict(zip(params, accumulator.totals()))
+    else:
+        native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
+    return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps}

@@ -1,0 +1,55 @@
+"""The PyTorch backend: native accumulation is ``.grad`` accumulating across ``backward()``; one
+backward pass per micro-step also feeds the manual buffer and the float64 sums (``accumulate``).
+Data-parallel runs go through torch.distributed (``distributed``). PyTorch itself is imported
+inside the methods only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...backend import Backend, Capabilities, Progress, RunResult
+from ...config import RunConfig
+from ...options import DTYPES, MODES
+from ...report import TrajectoryReport
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    package = "torch"
+    preference = 0
+    install = "pip install 'accumcheck[torch]'"
+    capabilities = Capabilities(
+        dtypes=DTYPES, modes=MODES, full_batch=True, data_parallel=True, reduce_dtypes=DTYPES,
+        single_process_only=("dtype", "mode", "full_batch"), trajectory=True,
+        why_not={"single_process_only": "data-parallel runs keep float32 parameters and DDP's own accumulation; "
+                                        "--reduce-dtype sets the all-reduce's dtype"})
+
+    def has_device(self, kind: str) -> bool:
+        import torch
+
+        return kind == "cpu" or torch.cuda.is_available()
+
+    def versions(self) -> dict[str, str]:
+        import torch
+
+        found = {"torch": torch.__version__}
+        if torch.version.cuda:
+            found["cuda"] = torch.version.cuda
+        return found
+
+    def run(self, config: RunConfig, progress: Progress | None = None,
+            weights: dict[str, np.ndarray] | None = None) -> RunResult:
+        if config.world_size is not None:
+            from .distributed import run_data_parallel
+
+            return run_data_parallel(config, self.versions(), progress)
+        from .run import run_single
+
+        return run_single(config, self.versions(), progress, weights)
+
+    def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
+              progress: Progress | None = None) -> TrajectoryReport:
+        from .train import train
+
+        return train(config, steps, optimizer, lr, self.versions(), progress)
+

@@ -1,0 +1,315 @@
+"""Data-parallel accumulation on torch.distributed: DistributedDataParallel's ``no_sync()``
+against an all-reduce every micro-step, on gloo (CPU) or nccl (CUDA).
+
+Each of W ranks runs N micro-steps; rank r's micro-step k is global micro-batch k*W + r (the
+interleaving of DistributedSampler). One pass per rank feeds every mode:
+
+  native     DDP with ``no_sync()`` for micro-steps 0..N-2: ``.grad`` accumulates locally and
+             the last micro-step's backward all-reduces the totals (mean over ranks), in
+             ``reduce_dtype`` through DDP's own communication hooks
+  manual     each micro-step's gradient all-reduced (float32, mean over ranks) and added into a
+             buffer of the accumulation dtype, as hand-written accumulation under DDP does
+  E, S       float64 sums of the rank's micro-gradients, all-reduced in float64 at the end
+  reference  one process accumulating the W*N global micro-batches, divided by W (rank 0)
+
+A communication hook wrapping DDP's own records what each rank hands to the all-reduce: its local
+no_sync total, judged against that rank's own E and S, which names the rank where an
+accumulation went wrong. Every rank gathers every other rank's view and returns the same
+RunResult, so a run started by torchrun reports the same on each rank (the CLI prints rank 0's).
+
+Launch: ``torch.multiprocessing`` spawns W processes on this machine (rendezvous through a file),
+unless the process already belongs to a job: started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT set: env:// rendezvous), or with a process group already initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import gc
+import os
+import pickle
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from ...backend import ParamAccumulation, Progress, RankAccumulation, RunResult
+from ...cases import Case
+from ...config import RunConfig
+from ...errors import AccumcheckError
+from ...launch import launched_world_size
+from ...report import DataParallelSetup
+from .accumulate import accumulate, case_sums
+from .model import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
+
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+# A rank waits this long for the others at a collective before giving up (the single-process
+# reference runs on rank 0 while the others wait for it).
+_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def check_devices(device: str, world_size: int) -> None:
+    """Raise AccumcheckError unless ``world_size`` ranks can run on ``device`` here."""
+    if not dist.is_available():
+        raise AccumcheckError(f"--world-size: this torch {torch.__version__} is built without torch.distributed")
+    if device == "cpu":
+        return
+    if device not in ("gpu", "cuda"):
+        raise AccumcheckError(f"--device {device} with --world-size: each rank takes its own GPU (cuda:LOCAL_RANK); "
+                              "use --device gpu, or --device cpu for gloo")
+    if not torch.cuda.is_available():
+        raise AccumcheckError(f"--device {device}: CUDA is not available to torch {torch.__version__}; "
+                              "use --device cpu (gloo)")
+    if not dist.is_nccl_available():
+        raise AccumcheckError(f"--device {device} with --world-size: this torch has no NCCL; use --device cpu (gloo)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched_world_size() else world_size
+    if local > torch.cuda.device_count():
+        raise AccumcheckError(f"--world-size {world_size}: {local} ranks on this machine need {local} GPUs "
+                              f"(nccl gives each rank its own), {torch.cuda.device_count()} present; "
+                              "lower --world-size or use --device cpu")
+
+
+def run_data_parallel(config: RunConfig, versions: dict[str, str], progress: Progress | None = None) -> RunResult:
+    """Run ``config`` data-parallel on ``config.world_size`` ranks, N = ``config.accum_steps``
+    micro-steps each, with its fault (if any) in the native accumulation of rank
+    ``config.fault_rank`` only. Returns the RunResult every rank agrees on. Raises
+    AccumcheckError for a device or launch problem."""
+    world_size, device = config.world_size, config.device
+    check_devices(device, world_size)
+    job = {"config": config, "versions": versions}
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise AccumcheckError(f"--world-size {world_size}: this process belongs to a process group of "
+                                  f"{dist.get_world_size()} ranks; pass world_size={dist.get_world_size()}")
+        return _rank_run(job, dist.get_rank(), world_size, "existing process group", progress)
+    launched = launched_world_size()
+    if launched is not None:
+        if launched != world_size:
+            raise AccumcheckError(f"--world-size {world_size}: this process was started by torchrun with "
+                                  f"WORLD_SIZE={launched}; pass --world-size {launched} or leave it out")
+        rank = int(os.environ["RANK"])
+        dist.init_process_group(_backend_for(device), init_method="env://", rank=rank, world_size=world_size,
+                                timeout=_TIMEOUT)
+        try:
+            return _rank_run(job, rank, world_size, "torchrun", progress)
+        finally:
+            _leave()
+    return _spawn(job, world_size, progress)
+
+
+def _leave() -> None:
+    """Destroy the process group once DDP's reducer (kept alive by reference cycles, holding the
+    group and Python hooks) is gone: left to interpreter shutdown, gloo's teardown can abort."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _backend_for(device: str) -> str:
+    return "gloo" if device == "cpu" else "nccl"
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> RunResult:
+    """Start ``world_size`` processes with torch.multiprocessing and return rank 0's result."""
+    with tempfile.TemporaryDirectory(prefix="accumcheck-ddp-") as folder:
+        queue = mp.get_context("spawn").SimpleQueue()
+        context = mp.start_processes(_spawned, args=(world_size, folder, job, queue), nprocs=world_size,
+                                     join=False, start_method="spawn")
+
+        def drain() -> None:
+            while not queue.empty():
+                phase, done, total = queue.get()
+                if progress is not None:
+                    progress(phase, done, total)
+
+        try:
+            while not context.join(timeout=0.1):
+                drain()
+        except mp.ProcessExitedException as exc:
+            errors = sorted(Path(folder).glob("error-*.txt"))
+            if errors:
+                raise AccumcheckError(errors[0].read_text()) from None
+            # Not a usage error: a rank crashed (its own output, above, says where).
+            raise RuntimeError(f"rank {exc.error_index} of the data-parallel run died: {exc}") from None
+        drain()
+        with open(Path(folder) / "result.pkl", "rb") as handle:
+            return pickle.load(handle)
+
+
+def _spawned(rank: int, world_size: int, folder: str, job: dict[str, Any], queue: Any) -> None:
+    """Entry point of a spawned rank: rendezvous through a file in ``folder``, run, and leave
+    rank 0's result (or this rank's AccumcheckError) there."""
+    faulthandler.enable()  # a rank that crashes in native code says where
+
+    def report(phase: str, done: int, total: int) -> None:
+        queue.put((phase, done, total))
+
+    try:
+        dist.init_process_group(_backend_for(job["config"].device), init_method=f"file://{folder}/rendezvous", rank=rank,
+                                world_size=world_size, timeout=_TIMEOUT)
+        try:
+            result = _rank_run(job, rank, world_size, "torch.multiprocessing", report if rank == 0 else None)
+        finally:
+            _leave()
+    except AccumcheckError as exc:
+        Path(folder, f"error-{rank}.txt").write_text(str(exc))
+        sys.exit(2)
+    if rank == 0:
+        with open(Path(folder) / "result.pkl", "wb") as handle:
+            pickle.dump(result, handle)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _local_rank(rank: int, world_size: int, launcher: str) -> tuple[int, int]:
+    """(local rank, ranks on this machine)."""
+    if launcher == "torch.multiprocessing":
+        return rank, world_size
+    return int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def _rank_device(device: str, local_rank: int) -> Any:
+    if device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", local_rank)
+    torch.cuda.set_device(dev)  # nccl's object collectives use the current device
+    return dev
+
+
+@contextlib.contextmanager
+def _threads_per_rank(dev: Any, local_world: int, launcher: str) -> Any:
+    """On the CPU, share the cores among the ranks of this machine (oversubscribed OpenMP threads
+    spin and make a run many times slower); launched the same way, runs are then bit-identical."""
+    if dev.type != "cpu" or launcher == "existing process group":
+        yield torch.get_num_threads()
+        return
+    saved = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_world))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
+              progress: Progress | None) -> RunResult:
+    config: RunConfig = job["config"]
+    case, steps = config.case, config.accum_steps
+    local_rank, local_world = _local_rank(rank, world_size, launcher)
+    dev = _rank_device(config.device, local_rank)
+    weights = case.weights()
+    accum = getattr(torch, config.accum_dtype)
+    fault = config.fault if rank == config.fault_rank else None
+    find_unused = bool(case.conditional_layers())
+    with _threads_per_rank(dev, local_world, launcher) as threads, deterministic(dev) as settings, isolated(dev):
+        model = build_model(case, weights, torch.float32, dev)
+        ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                      find_unused_parameters=find_unused)
+        handed = _record_comm_hook(ddp, model.canonical, config.reduce_dtype)
+        total = case.token_count(world_size * steps) if case.loss_reduction == "token_count" else None
+
+        def step_loss(step: int) -> Any:
+            batch = case.batch(step * world_size + rank)
+            labels = torch.from_numpy(batch.labels).to(dev)
+            return case_loss(case, ddp(to_inputs(batch.inputs, dev, torch.float32), batch.index), labels, total)
+
+        def no_sync_but_last(step: int) -> Any:
+            return ddp.no_sync() if step < steps - 1 else contextlib.nullcontext()
+
+        def mean_over_ranks(step: Any) -> Any:
+            reduced = step.clone()
+            dist.all_reduce(reduced)
+            return reduced.div_(world_size)
+
+        sums = accumulate(model.canonical, step_loss, steps, fault, progress, f"rank {rank}: DDP no_sync + all-reduce",
+                          accum, step_context=no_sync_but_last, reduce_step=mean_over_ranks)
+        buffers = sums["buffers"]
+        mine = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"],
+                "local_native": {name: to_numpy(t) for name, t in handed.items()},
+                "exact": {name: to_numpy(buffers[name][1]) for name in model.canonical},
+                "absum": {name: to_numpy(buffers[name][2]) for name in model.canonical},
+                "native": {name: to_numpy(g) for name, g in sums["native"].items()}}
+        manual = {name: to_numpy(buffers[name][0]) for name in model.canonical}
+        views: list[Any] = [None] * world_size
+        dist.all_gather_object(views, mine)
+        shared = [_single_process(case, weights, steps, world_size, dev, config.oracle, progress) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        single, oracle, single_loss = shared[0]
+        # No rank leaves (and tears its connections down) while another still reads from it.
+        dist.barrier()
+
+    missing = [name for name in model.canonical if any(name not in v["local_native"] for v in views)]
+    if missing:
+        raise AccumcheckError(f"DistributedDataParallel handed no gradient of {', '.join(missing)} to the all-reduce")
+    exact = {name: sum(v["exact"][name] for v in views) / world_size for name in model.canonical}
+    absum = {name: sum(v["absum"][name] for v in views) / world_size for name in model.canonical}
+    kinds = {p.name: p.kind for p in case.parameters()}
+    params = [ParamAccumulation(name=name, kind=kinds[name], native=views[0]["native"][name], manual=manual[name],
+                                exact=exact[name], absum=absum[name], reference=single[name],
+                                oracle=None if oracle is None else oracle[name])
+              for name in model.canonical]
+    ranks = [RankAccumulation(rank=v["rank"], host=v["host"], local_native=v["local_native"], exact=v["exact"],
+                              absum=v["absum"], native=v["native"]) for v in views]
+    losses = {"mean_loss": float(np.mean([v["loss"] for v in views])), "single_process_mean_loss": single_loss}
+    name = "cpu" if dev.type == "cpu" else f"cuda ({torch.cuda.get_device_name(dev)})"
+    settings["threads"] = threads
+    reduce_dtype = config.reduce_dtype
+    setup = DataParallelSetup(
+        world_size=world_size, backend=dist.get_backend(), launcher=launcher, reduce_dtype=reduce_dtype,
+        find_unused_parameters=find_unused, hosts=sorted({v["host"] for v in views}),
+        fault_rank=config.fault_rank if config.fault else None,
+        native="DistributedDataParallel, no_sync() for micro-steps 1..N-1, all-reduce (mean) on the last"
+               + (f", {reduce_dtype} communication hook" if reduce_dtype != "float32" else ""),
+        manual=f"all-reduce (float32, mean) of every micro-step's gradient into a {config.accum_dtype} buffer",
+        reference=f"one process, the {world_size * steps} global micro-batches, divided by {world_size}",
+        micro_batches="rank r, micro-step k: global micro-batch k*W + r")
+    return RunResult(params=params, framework="torch", versions=job["versions"], device=name, param_dtype="float32",
+                     accum_dtype=config.accum_dtype, losses=losses, settings=settings, ranks=ranks,
+                     data_parallel=setup)
+
+
+def _record_comm_hook(ddp: Any, params: dict[str, Any], reduce_dtype: str) -> dict[str, Any]:
+    """Register DDP's own all-reduce hook for ``reduce_dtype``, wrapped to keep a copy of what this
+    rank hands to it; returns the dict (name -> local total) it fills on the synchronising step."""
+    inner = {"float32": default_hooks.allreduce_hook, "bfloat16": default_hooks.bf16_compress_hook,
+             "float16": default_hooks.fp16_compress_hook}[reduce_dtype]
+    names = {id(p): name for name, p in params.items()}
+    handed: dict[str, Any] = {}
+
+    def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            handed[names[id(param)]] = grad.detach().clone()
+        return inner(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    return handed
+
+
+def _single_process(case: Case, weights: dict[str, np.ndarray], steps: int, world_size: int, dev: Any,
+                    oracle: bool, progress: Progress | None) -> tuple[dict, dict | None, float]:
+    """The same global micro-batches accumulated natively in one process, divided by W (and the
+    float64 model's, with ``oracle``); and the mean loss."""
+    total = world_size * steps
+    model = build_model(case, weights, torch.float32, dev)
+    run = case_sums(case, model, total, dev, None, progress, "single-process reference")
+    single = {name: to_numpy(g / world_size) for name, g in run["native"].items()}
+    exact_oracle = None
+    if oracle:
+        model64 = build_model(case, weights, torch.float64, dev)
+        run64 = case_sums(case, model64, total, dev, None, progress, "float64 oracle")
+        exact_oracle = {name: to_numpy(g / world_size) for name, g in run64["native"].items()}
+    return single, exact_oracle, run["loss"]

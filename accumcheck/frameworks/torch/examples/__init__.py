@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m accumcheck.frameworks.torch.examples.diverge``."""

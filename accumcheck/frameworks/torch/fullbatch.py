@@ -1,0 +1,37 @@
+"""The accumulated gradient against the whole batch's in one backward pass, both in float64: does
+the accumulation compute the gradient the user means (how the loss is normalised)?"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...backend import FullBatchGap, Progress
+from ...cases import Case
+from .accumulate import case_sums
+from .model import build_model, case_loss, to_inputs
+
+
+def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int, dev: Any,
+                   progress: Progress | None = None) -> FullBatchGap:
+    """The largest difference between the accumulated gradient and the whole batch's, relative
+    to the full-batch gradient's largest element, and the tensor where it is. With a "mean" loss
+    the accumulated sum is divided by N, as training code does; "sum" and "token_count" compare
+    as they are."""
+    micro = case_sums(case, build_model(case, weights, torch.float64, dev), accum_steps, dev, None, progress,
+                      "float64 micro-batches")["native"]
+    batches = [case.batch(k) for k in range(accum_steps)]  # the whole batch at once: memory grows with N
+    inputs = to_inputs(np.concatenate([b.inputs for b in batches]), dev, torch.float64)
+    labels = torch.from_numpy(np.concatenate([b.labels for b in batches])).to(dev)
+    model = build_model(case, weights, torch.float64, dev)
+    whole = case if case.loss_reduction != "token_count" else case.with_reduction("mean")
+    case_loss(whole, model(inputs), labels).backward()
+    scale = 1.0 / accum_steps if case.loss_reduction == "mean" else 1.0
+    full = {name: p.grad for name, p in model.canonical.items()}
+    top = max(float(g.abs().max()) for g in full.values()) or 1.0
+    gaps = {name: float((micro[name] * scale - full[name]).abs().max()) / top for name in full}
+    worst = max(gaps, key=gaps.get)
+    return FullBatchGap(normalisation=case.loss_reduction, accumulated_scaled_by="1/N" if scale != 1.0 else "1",
+                        max_relative_difference=gaps[worst], worst_tensor=worst)

@@ -1,0 +1,82 @@
+"""Cross-framework agreement: the same case, weights and data in two frameworks.
+
+The frameworks compute each micro-gradient with different kernels, so their float32 manual sums
+B_a and B_b differ by more than accumulation round-off. Each framework also runs the whole model
+in float64 (O_a, O_b), which measures its own float32 error e_f = |B_f - O_f| (kernels and
+accumulation together). If the two compute the same function of the same weights and data,
+
+    |B_a - B_b| <= e_a + e_b + |O_a - O_b|,   and   |O_a - O_b| <= c * u32 * (S + S_rms,tensor + S_rms,model)
+
+where the second term allows the frameworks' float64 kernels to differ at float32 level (MXNet's
+float64 GELU uses a float32-accurate erf, 3.6e-7 from the exact one). c = FLOAT64_KERNEL_ALLOWANCE,
+four times the largest value measured on the built-in cases. A tensor past that bound was computed
+from a different function, weights or data: it "disagrees".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import RunResult
+from ..bounds import UNIT_ROUNDOFF
+from ..report import Agreement, ForwardAgreement
+from .ratio import ratios_to, unravel
+
+FLOAT64_KERNEL_ALLOWANCE = 16.0
+
+
+def ordered_bits(values: np.ndarray) -> np.ndarray:
+    """float32 bit patterns mapped onto a monotonic integer line (for ulp distances)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, np.int64(-(2**31)) - bits, bits)
+
+
+def agreement(run_a: RunResult, run_b: RunResult) -> list[Agreement]:
+    """Compare the manual sums of two runs of the same case (both run with the float64 oracle)."""
+    u = UNIT_ROUNDOFF["float32"]
+    b_params = {p.name: p for p in run_b.params}
+    scales = np.concatenate([np.maximum(p.absum, b_params[p.name].absum).ravel() for p in run_a.params])
+    model_rms = float(np.sqrt(np.mean(scales**2))) if scales.size else 0.0
+    results = []
+    for pa in run_a.params:
+        pb = b_params[pa.name]
+        if pa.oracle is None or pb.oracle is None:
+            raise ValueError("agreement needs both runs made with the float64 oracle")
+        ba, bb = pa.manual.astype(np.float64), pb.manual.astype(np.float64)
+        shape = list(pa.manual.shape)
+        diff = np.abs(ba - bb)
+        s = np.maximum(pa.absum, pb.absum)
+        err_a, err_b = np.abs(ba - pa.oracle), np.abs(bb - pb.oracle)
+        floor = FLOAT64_KERNEL_ALLOWANCE * u * (s + float(np.sqrt(np.mean(s**2))) + model_rms)
+        bound = err_a + err_b + np.maximum(floor, np.finfo(np.float64).tiny)
+        ratio = ratios_to(diff, bound)
+        worst = int(np.argmax(ratio)) if ratio.size else -1
+        biggest = int(np.argmax(diff)) if diff.size else -1
+        if not (np.isfinite(ba).all() and np.isfinite(bb).all()):
+            verdict = "non-finite"
+        elif not diff.any():
+            verdict = "identical"
+        else:
+            verdict = "agree" if ratio.max() <= 1.0 else "disagree"
+        results.append(Agreement(
+            name=pa.name, kind=pa.kind, shape=shape, verdict=verdict,
+            max_abs_diff=float(diff.max(initial=0.0)), max_abs_diff_index=unravel(biggest, shape),
+            max_ulps=float(np.abs(ordered_bits(pa.manual) - ordered_bits(pb.manual)).max(initial=0)),
+            ratio=float(ratio.max(initial=0.0)), worst_index=unravel(worst, shape),
+            bound_at_worst=float(bound.reshape(-1)[worst]) if worst >= 0 else 0.0,
+            float32_err_a=float(err_a.max(initial=0.0)), float32_err_b=float(err_b.max(initial=0.0))))
+    return results
+
+
+def forward_agreement(run_a: RunResult, run_b: RunResult) -> ForwardAgreement | None:
+    """How closely the frameworks' logits for micro-batch 0 agree (None when either has none)."""
+    la, lb = run_a.first_logits, run_b.first_logits
+    if la is None or lb is None:
+        return None
+    diff = np.abs(la.astype(np.float64) - lb)
+    scale = float(np.abs(la).max(initial=0.0))
+    biggest = int(np.argmax(diff))
+    return ForwardAgreement(
+        max_abs_diff=float(diff.max()), max_abs_logit=scale, relative=float(diff.max() / scale) if scale else 0.0,
+        in_float32_units=float(diff.max() / (scale * UNIT_ROUNDOFF["float32"])) if scale else 0.0,
+        index=unravel(biggest, list(la.shape)))

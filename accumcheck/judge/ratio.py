@@ -1,0 +1,73 @@
+"""The one ratio every verdict rests on: an element's distance from the float64 sum E over its
+round-off bound, |x - E| / (rel * S + floor). Above 1 cannot be round-off.
+
+The compiled comparator (``statistics``) computes the same ratio inline, element by element;
+everything else (ratio maps, the precision check, data-parallel ranks, the single-process
+reference) computes it here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..bounds import ModeBound
+
+MAP_CELLS = 32  # a ratio map has at most this many cells a side
+
+
+def ratios_to(excess: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """``excess / bound`` element by element: 0 where both are 0 (exact where nothing rounds, as
+    at N = 1), infinite where the excess is not finite (a non-finite value is infinitely far)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = excess / bound
+    return np.where(np.isnan(excess), np.inf, np.nan_to_num(ratio, nan=0.0, posinf=np.inf))
+
+
+def bound_ratios(values: np.ndarray, exact: np.ndarray, absum: np.ndarray, bound: ModeBound,
+                 absum_rms: float = 0.0) -> np.ndarray:
+    """|values - E| / bound(S), element by element (flat, float64). ``absum_rms`` (the
+    root-mean-square of S over the tensor) scales a kernel allowance."""
+    v = np.asarray(values, np.float64).reshape(-1)
+    e = np.asarray(exact, np.float64).reshape(-1)
+    s = np.asarray(absum, np.float64).reshape(-1)
+    return ratios_to(np.abs(v - e), bound.relative * s + bound.floor(absum_rms))
+
+
+def worst_ratio(values: np.ndarray, exact: np.ndarray, absum: np.ndarray, bound: ModeBound,
+                absum_rms: float = 0.0) -> tuple[float, int]:
+    """The largest ratio over the tensor and its flat index (0.0 and -1 for an empty tensor)."""
+    ratio = bound_ratios(values, exact, absum, bound, absum_rms)
+    if not ratio.size:
+        return 0.0, -1
+    where = int(np.argmax(ratio))
+    return float(ratio[where]), where
+
+
+def absum_rms(absum: np.ndarray) -> float:
+    """The root-mean-square of S over a tensor: the scale of a kernel allowance."""
+    s = np.asarray(absum, np.float64)
+    return float(np.sqrt(np.mean(s * s))) if s.size else 0.0
+
+
+def ratio_map(native: np.ndarray, manual: np.ndarray, exact: np.ndarray, absum: np.ndarray,
+              native_bound: ModeBound, manual_bound: ModeBound) -> tuple[list[list[float]], list[int]]:
+    """Where in a tensor the modes sit furthest from E, relative to the bound: the tensor as rows
+    (its first axis) by columns (the rest), each cell the largest ratio of the elements it covers,
+    at most MAP_CELLS a side. Returns (cells, [rows per cell, columns per cell])."""
+    rms = absum_rms(absum)
+    worst = np.maximum(bound_ratios(native, exact, absum, native_bound, rms),
+                       bound_ratios(manual, exact, absum, manual_bound, rms)).reshape(np.shape(exact))
+    grid = worst.reshape(1, -1) if worst.ndim < 2 else worst.reshape(worst.shape[0], -1)
+    rows, cols = grid.shape
+    step_r, step_c = -(-rows // MAP_CELLS), -(-cols // MAP_CELLS)
+    pad = np.full((-(-rows // step_r) * step_r, -(-cols // step_c) * step_c), 0.0)
+    pad[:rows, :cols] = grid
+    cells = pad.reshape(pad.shape[0] // step_r, step_r, pad.shape[1] // step_c, step_c).max(axis=(1, 3))
+    return cells.tolist(), [step_r, step_c]
+
+
+def unravel(flat: int, shape: tuple[int, ...] | list[int]) -> list[int]:
+    """A flat index as a list of indices into ``shape`` ([] for none, or a scalar)."""
+    if flat < 0:
+        return []
+    return [int(i) for i in np.unravel_index(flat, tuple(shape))] if len(shape) else []

@@ -1,0 +1,129 @@
+"""From a finished run to a Report: every tensor's verdict, made once, from all its figures.
+
+Verdicts:
+  identical       native and manual agree in every element
+  round-off       they differ, but both are within the bound of E (``accumcheck.bounds``)
+  precision-loss  native is within its own (reduced) dtype's round-off, beyond the accumulation
+                  dtype's
+  diverged        some element of some mode is further from E than round-off can explain (in a
+                  data-parallel run also: a rank's own total, or native against one process)
+  non-finite      an inf or nan in either mode (or in E)
+A tensor whose sum cancels heavily (condition number S/|E| >= ILL_CONDITIONED) is also marked
+ill-conditioned: large relative differences there are expected and are not a bug.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+import numpy as np
+
+from ..backend import FullBatchGap, RunResult
+from ..bounds import UNIT_ROUNDOFF, ModeBound
+from ..cases import Case
+from ..faults import Fault
+from ..report import FullBatchResult, Report, TensorResult
+from ..version import __version__
+from . import dataparallel
+from .dataparallel import RankChecks
+from .ratio import ratio_map, unravel
+from .statistics import tensor_figures
+
+# A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative
+# error may then be a hundred times the relative error of a sum without cancellation.
+ILL_CONDITIONED = 100.0
+# float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
+# (how the loss is normalised) is of order one.
+SEMANTIC_TOLERANCE = 1e-9
+
+
+def compare_tensor(name: str, kind: str, native: np.ndarray, manual: np.ndarray, exact: np.ndarray,
+                   absum: np.ndarray, native_bound: ModeBound, manual_bound: ModeBound,
+                   oracle: np.ndarray | None = None, reference_bound: ModeBound | None = None,
+                   ulps: bool = False, parallel: RankChecks | None = None) -> TensorResult:
+    """Judge one parameter tensor: its figures (``statistics.tensor_figures``, the same
+    arguments) and, for a data-parallel run, its ``parallel`` checks. Returns the TensorResult."""
+    figures = tensor_figures(name, kind, native, manual, exact, absum, native_bound, manual_bound, oracle,
+                             reference_bound, ulps)
+    nonfinite = figures.pop("nonfinite")
+    if nonfinite:
+        verdict = "non-finite"
+    elif figures["mismatched"] == 0:
+        verdict = "identical"
+    elif figures["ratio"] <= 1.0:
+        verdict = "round-off"
+    else:
+        verdict = "diverged"
+    if verdict in ("identical", "round-off") and figures.get("precision_ratio", 0.0) > 1.0:
+        verdict = "precision-loss"
+    ill = figures["condition"] >= ILL_CONDITIONED and verdict != "non-finite"
+    if parallel is not None:
+        figures.update(parallel.figures)
+        worst = max(parallel.candidates, key=lambda c: c.ratio, default=None)
+        beyond = parallel.flagged_ranks or (worst is not None and worst.ratio > 1.0)
+        if beyond and verdict not in ("precision-loss", "diverged", "non-finite"):
+            verdict = "diverged"
+        if worst is not None and worst.ratio > figures["ratio"]:  # point at the worst check
+            absum = float(np.asarray(worst.absum, np.float64).reshape(-1)[worst.flat_index])
+            figures.update(ratio=worst.ratio, worst_mode=worst.mode, bound_at_worst=worst.bound.at(absum),
+                           worst_index=unravel(worst.flat_index, figures["shape"]))
+    return TensorResult(verdict=verdict, ill_conditioned=ill, **figures)
+
+
+def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
+                 seconds: float, config: dict[str, Any] | None = None) -> Report:
+    """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report. ``case`` is
+    None for a user's own model (then ``config`` is ``{"model": its class name}``); ``config`` is
+    the run's ``RunConfig.record()``."""
+    config = dict(config or {})
+    native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_kernel_allowance)
+    manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
+    # Parameters below float32 (bfloat16, float16): judge native against float32's bound too, the
+    # precision a float32 buffer would have kept. (A float64 buffer does not make float32 a loss.)
+    reference = None
+    if UNIT_ROUNDOFF[run.param_dtype] > UNIT_ROUNDOFF["float32"]:
+        reference = ModeBound.for_sum("float32", accum_steps)
+    parallel = None
+    if run.data_parallel is not None:
+        parallel = dataparallel.bounds_for(run.param_dtype, run.accum_dtype, accum_steps,
+                                           run.data_parallel.world_size, run.data_parallel.reduce_dtype)
+        native_bound, manual_bound, reference = parallel.native, parallel.manual, parallel.reference
+    ulps = config.get("mode", "native") != "native"  # how close a GradAccumulator gets
+    checks = [None if parallel is None else dataparallel.check_tensor(p, run.ranks or [], parallel)
+              for p in run.params]
+    tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, native_bound, manual_bound,
+                              p.oracle, reference_bound=reference, ulps=ulps, parallel=check)
+               for p, check in zip(run.params, checks)]
+    bound = {"native": vars(native_bound), "manual": vars(manual_bound)}
+    result = None
+    if parallel is not None:
+        bound.update(single_process=vars(parallel.single_process), rank=vars(parallel.rank))
+        result = dataparallel.summarise(run.data_parallel, run.ranks or [], tensors, checks)
+    whole = sum(t.grad_sum_sq for t in tensors)
+    for t in tensors:
+        t.norm_share = t.grad_sum_sq / whole if whole > 0 else 0.0
+    # Where the differences sit, for the flagged tensors and the three nearest their bound.
+    mapped = {t.name for t in tensors if t.flagged}
+    mapped |= {t.name for t in sorted(tensors, key=lambda t: -t.ratio if t.ratio == t.ratio else 0)[:3]}
+    for p, t in zip(run.params, tensors):
+        if t.name in mapped and t.verdict != "non-finite":
+            t.ratio_map, t.ratio_map_cell = ratio_map(p.native, p.manual, p.exact, p.absum, native_bound, manual_bound)
+    if case is None:
+        case = Case(config.get("model", "model"), "", -1, accum_steps, None, "", 0.0, 0.0, (),
+                    source=f"<user model {config.get('model', 'model')}>")
+    return Report(
+        case=case.name, case_source=case.source, case_fingerprint=case.fingerprint(), case_toml=case.text,
+        framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
+        param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
+        oracle=oracle, inject=None if fault is None else str(fault), bound=bound, loss_reduction=case.loss_reduction,
+        settings=run.settings, notes=list(run.notes), losses=run.losses, seconds=round(seconds, 3),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors, config=config,
+        full_batch=None if run.full_batch is None else full_batch_verdict(run.full_batch), data_parallel=result)
+
+
+def full_batch_verdict(gap: FullBatchGap) -> FullBatchResult:
+    """Whether the accumulated gradient is the whole batch's: within SEMANTIC_TOLERANCE of it."""
+    return FullBatchResult(normalisation=gap.normalisation, accumulated_scaled_by=gap.accumulated_scaled_by,
+                           max_relative_difference=gap.max_relative_difference, worst_tensor=gap.worst_tensor,
+                           equivalent=gap.max_relative_difference <= SEMANTIC_TOLERANCE, tolerance=SEMANTIC_TOLERANCE)

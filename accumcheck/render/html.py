@@ -1,0 +1,110 @@
+"""One self-contained HTML file for sharing a reproduction: tables, details and the plots inlined."""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any
+
+from ..report import CrossReport, Report, SweepReport
+from .plots import growth, heatmaps, png_bytes, scatter
+from .text import cross_summary, header_lines, num, summary_line, tensor_details
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
+       color: #1b1b1b; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border-bottom: 1px solid #ddd; padding: 0.3em 0.7em; text-align: right; }
+th { background: #f3f3f3; } td.name, th.name, td.text { text-align: left; font-family: monospace; }
+.flagged { color: #b00020; font-weight: bold; } .ok { color: #1b7f3b; font-weight: bold; }
+pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+.meta { color: #555; font-size: 0.9em; }
+"""
+
+
+def _img(fig: Any, alt: str) -> str:
+    data = base64.b64encode(png_bytes(fig)).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _summary(text: str, flagged: bool) -> str:
+    return f'<p class="{"flagged" if flagged else "ok"}">{html.escape(text)}</p>'
+
+
+def _tensor_table(report: Report) -> str:
+    head = ("tensor", "kind", "shape", "max|g|", "verdict", "ratio to bound", "max|A−B|", "ulps",
+            "rtol/atol fails", "cond S/|E|", "err native", "err manual", "nearer", "share of norm")
+    rows = []
+    for t in report.tensors:
+        cls = ' class="flagged"' if t.flagged else ""
+        cells = [f'<td class="name">{html.escape(t.name)}</td>', f'<td class="text">{t.kind}</td>',
+                 f'<td class="text">{"x".join(map(str, t.shape))}</td>', f"<td>{num(t.max_abs_grad)}</td>",
+                 f'<td class="text"{cls}>{html.escape(t.label)}</td>'] + \
+                [f"<td>{v}</td>" for v in (num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), t.classic_mismatched,
+                                           num(t.condition), num(t.err_native), num(t.err_manual))] + \
+                [f'<td class="text">{t.nearer}</td>', f"<td>{100 * t.norm_share:.3g}%</td>"]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    header = "".join(f'<th class="name">{h}</th>' if i == 0 else f"<th>{h}</th>" for i, h in enumerate(head))
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _report_section(report: Report, plots: bool = True) -> str:
+    parts = [f"<h2>{html.escape(report.case)}: {report.framework} on {html.escape(report.device)}, "
+             f"N = {report.accum_steps}</h2>",
+             '<div class="meta">' + "<br>".join(html.escape(line) for line in header_lines(report)) + "</div>",
+             _summary(summary_line(report), bool(report.flagged)), _tensor_table(report)]
+    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
+    if noteworthy:
+        parts.append("<pre>" + html.escape("\n".join(line for t in noteworthy for line in tensor_details(t))) + "</pre>")
+    if plots:
+        parts.append(_img(scatter(report), f"error against bound, {report.case}"))
+        maps = heatmaps(report)
+        if maps is not None:
+            parts.append(_img(maps, f"where the differences sit, {report.case}"))
+    return "\n".join(parts)
+
+
+def _sweep_section(sweep: SweepReport) -> str:
+    rows = sweep.rows()
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    head = "<tr><th>N</th><th>bound</th><th>√N</th>" + "".join(
+        f"<th>{k}: native</th><th>{k}: manual</th><th>{k}: |A−B|</th>" for k in kinds) + "<th>flagged</th></tr>"
+    body = []
+    for row in rows:
+        cells = [f"<td>{row['N']}</td>", f"<td>{num(row['bound'])}</td>", f"<td>{num(row['sqrt_N'])}</td>"]
+        for k in kinds:
+            entry = row["kinds"].get(k, {})
+            cells += [f"<td>{num(entry.get(m))}</td>" for m in ("native", "manual", "difference")]
+        cells.append(f'<td class="text">{html.escape(", ".join(row["flagged"])) or "-"}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return ("<h2>Growth with N (worst tensor of each kind, in units of u·S)</h2>"
+            f"<table><thead>{head}</thead><tbody>{''.join(body)}</tbody></table>"
+            + _img(growth(sweep.reports), "error growth with N"))
+
+
+def html_report(report: Report | SweepReport | CrossReport) -> str:
+    """The report as one HTML document with everything inlined."""
+    if isinstance(report, SweepReport):
+        first = report.reports[0]
+        title = f"accumcheck sweep: {first.case}, {first.framework}"
+        flagged = bool(report.flagged)
+        text = (f"FLAGGED at N = {sorted({n for n, _ in report.flagged})}: "
+                f"{', '.join(sorted({name for _, name in report.flagged}))}" if flagged
+                else f"OK at every N ({', '.join(str(r.accum_steps) for r in report.reports)})")
+        body = [_summary(text, flagged), _sweep_section(report), _report_section(report.reports[-1])]
+    elif isinstance(report, CrossReport):
+        title = f"accumcheck: {' vs '.join(report.frameworks)}, {report.reports[0].case}"
+        body = [_summary(cross_summary(report), bool(report.exit_code))]
+        body += [_report_section(r, plots=False) for r in report.reports]
+        rows = "".join(f'<tr><td class="name">{html.escape(a.name)}</td><td class="text">{a.kind}</td>'
+                       f'<td class="text{" flagged" if a.flagged else ""}">{a.verdict}</td><td>{num(a.ratio)}</td>'
+                       f"<td>{num(a.max_abs_diff)}</td><td>{num(a.max_ulps)}</td></tr>" for a in report.agreement)
+        body.append("<h2>Manual accumulations compared</h2><table><thead><tr><th class='name'>tensor</th><th>kind</th>"
+                    f"<th>verdict</th><th>ratio</th><th>max|diff|</th><th>ulps</th></tr></thead><tbody>{rows}</tbody></table>")
+    else:
+        title = f"accumcheck: {report.case}, {report.framework}"
+        body = [_report_section(report)]
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>\n" + "\n".join(body) + "\n</body></html>\n")

@@ -1,0 +1,85 @@
+"""GitHub-flavoured markdown for every report kind (a CI job summary, a bug report)."""
+
+from __future__ import annotations
+
+from ..report import CrossReport, Report, ReportDiff, SweepReport
+from .text import (
+    cross_summary,
+    describe,
+    diff_extra_lines,
+    diff_summary,
+    forward_line,
+    header_lines,
+    num,
+    shape_text,
+    summary_line,
+    sweep_summary,
+    tensor_details,
+)
+
+
+def markdown(report: Report) -> str:
+    """A GitHub-flavoured markdown report: header, table, flagged details, summary."""
+    out = [f"## accumcheck: {report.case} ({report.framework}, {report.device}, N = {report.accum_steps})", ""]
+    out += [f"- {line}" for line in header_lines(report)] + [""]
+    cols = ["tensor", "kind", "shape", "max abs grad", "verdict", "ratio to bound", "max abs diff", "ulps",
+            "rtol/atol mismatches", "cond S/abs(E)", "err native", "err manual", "nearer"]
+    out.append("| " + " | ".join(cols) + " |")
+    out.append("|" + "|".join("---" if c in ("tensor", "kind", "shape", "verdict", "nearer") else "---:"
+                              for c in cols) + "|")
+    for t in report.tensors:
+        verdict = f"**{t.label}**" if t.flagged else t.label
+        row = [f"`{t.name}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict, num(t.ratio), num(t.max_abs_diff),
+               num(t.max_ulps), str(t.classic_mismatched), num(t.condition), num(t.err_native), num(t.err_manual),
+               t.nearer]
+        out.append("| " + " | ".join(row) + " |")
+    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
+    if noteworthy:
+        out += ["", "```"] + [line for t in noteworthy for line in tensor_details(t)] + ["```"]
+    out += ["", f"**{summary_line(report)}**", ""]
+    return "\n".join(out)
+
+
+def cross_markdown(cross: CrossReport) -> str:
+    out = [markdown(r) for r in cross.reports]
+    out.append(f"## {' vs '.join(cross.frameworks)}: manual accumulations")
+    out.append("")
+    out.append(f"| tensor | kind | verdict | ratio to bound | max abs diff | ulps | float32 error "
+               f"{cross.frameworks[0]} | float32 error {cross.frameworks[1]} |")
+    out.append("|---|---|---|---:|---:|---:|---:|---:|")
+    for a in cross.agreement:
+        verdict = f"**{a.verdict}**" if a.flagged else a.verdict
+        out.append(f"| `{a.name}` | {a.kind} | {verdict} | {num(a.ratio)} | {num(a.max_abs_diff)} | {num(a.max_ulps)} "
+                   f"| {num(a.float32_err_a)} | {num(a.float32_err_b)} |")
+    out += ["", f"- {forward_line(cross)}", "", f"**{cross_summary(cross)}**", ""]
+    return "\n".join(out)
+
+
+def sweep_markdown(sweep: SweepReport) -> str:
+    rows = sweep.rows()
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    first = sweep.reports[0]
+    out = [f"## accumcheck sweep: {first.case} ({first.framework}, {first.device})", "",
+           "Worst error of each tensor kind against the float64 sum E, in units of u·S "
+           "(the bound is γ(N−1)/u ≈ N − 1; typical round-off grows like √N).", ""]
+    cols = ["N", "bound", "√N"] + [f"{k} {m}" for k in kinds for m in ("native", "manual", "abs(A-B)")] + ["flagged"]
+    out.append("| " + " | ".join(cols) + " |")
+    out.append("|" + "|".join("---:" for _ in cols[:-1]) + "|---|")
+    for row in rows:
+        cells = [str(row["N"]), num(row["bound"]), num(row["sqrt_N"])]
+        for k in kinds:
+            entry = row["kinds"].get(k, {})
+            cells += [num(entry.get(m)) for m in ("native", "manual", "difference")]
+        out.append("| " + " | ".join(cells + [", ".join(row["flagged"]) or "-"]) + " |")
+    out += ["", f"**{sweep_summary(sweep)}**", ""]
+    return "\n".join(out)
+
+
+def diff_markdown(diff: ReportDiff) -> str:
+    out = [f"- A: {diff.names[0]}: {describe(diff.a)}", f"- B: {diff.names[1]}: {describe(diff.b)}", "",
+           "| tensor | kind | verdict A | verdict B | ratio A | ratio B |", "|---|---|---|---|---:|---:|"]
+    for c in diff.common:
+        mark = "**" if c.changed else ""
+        out.append(f"| `{c.name}` | {c.kind} | {mark}{c.verdict_a}{mark} | {mark}{c.verdict_b}{mark} "
+                   f"| {num(c.ratio_a)} | {num(c.ratio_b)} |")
+    return "\n".join(out + [""] + [f"- {e}" for e in diff_extra_lines(diff)] + ["", f"**{diff_summary(diff)}**", ""])

@@ -1,0 +1,189 @@
+"""Terminal tables (rich) for every report kind, drawn on a live console or into text."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from ..cases import Case
+from ..report import CrossReport, Report, ReportDiff, SweepReport, TrajectoryReport
+from .text import (
+    cross_summary,
+    describe,
+    diff_extra_lines,
+    diff_summary,
+    forward_line,
+    header_lines,
+    num,
+    shape_text,
+    summary_line,
+    sweep_summary,
+    tensor_details,
+)
+
+_STYLE = {"identical": "green", "round-off": "cyan", "precision-loss": "bold yellow", "diverged": "bold red",
+          "non-finite": "bold magenta"}
+
+
+def rich_table(report: Report) -> Table:
+    """The per-parameter table: one row a tensor, the verdict and the numbers behind it."""
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
+    table.add_column("tensor", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    # "ratio": worst |mode - E| / bound; "tol fails": elements outside torch.testing's rtol/atol.
+    for title in ("max|g|", "verdict", "ratio", "max|A-B|", "ulps", "tol fails", "cond"):
+        table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=title == "verdict")
+    for t in report.tensors:
+        table.add_row(t.name, t.kind, shape_text(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
+                      num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched),
+                      num(t.condition))
+    return table
+
+
+def rank_table(report: Report) -> Table:
+    """One row a rank: its verdict, the tensors it is named for, its worst own-total ratio."""
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False, title="per rank")
+    for title in ("rank", "host", "verdict", "own total, worst ratio", "flagged tensors"):
+        table.add_column(title, justify="right" if title.startswith(("rank", "own")) else "left")
+    for r in report.data_parallel.ranks:
+        worst = max((t.rank_local_ratios[r.rank] for t in report.tensors if t.rank_local_ratios), default=0.0)
+        verdict = Text("FLAGGED", style="bold red") if r.flagged else Text("faithful", style="green")
+        table.add_row(str(r.rank), r.host, verdict, num(worst), ", ".join(r.flagged) or "-")
+    return table
+
+
+def render_table(report: Report, console: Console) -> None:
+    """Header, per-parameter table, details of flagged and ill-conditioned tensors, summary."""
+    # soft_wrap: long lines (the reproduce command above all) stay whole, for copying.
+    console.print(Text("\n".join(header_lines(report)), style="dim"), soft_wrap=True)
+    console.print(rich_table(report))
+    if report.data_parallel is not None and not report.data_parallel.ranks_agree:
+        console.print(rank_table(report))
+    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
+    for t in noteworthy:
+        console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""), soft_wrap=True)
+    style = "bold red" if report.exit_code else "bold green"
+    console.print()
+    console.print(Text(summary_line(report), style=style), soft_wrap=True)
+
+
+def agreement_table(cross: CrossReport) -> Table:
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False,
+                  title=f"manual accumulation: {' vs '.join(cross.frameworks)}")
+    for title in ("tensor", "kind", "verdict", "ratio", "max|diff|", "ulps", f"fp32 err {cross.frameworks[0]}",
+                  f"fp32 err {cross.frameworks[1]}"):
+        table.add_column(title, justify="left" if title in ("tensor", "kind", "verdict") else "right",
+                         no_wrap=title in ("tensor", "kind", "verdict"))
+    for a in cross.agreement:
+        style = "bold red" if a.flagged else ("green" if a.verdict == "identical" else "cyan")
+        table.add_row(a.name, a.kind, Text(a.verdict, style=style), num(a.ratio), num(a.max_abs_diff),
+                      num(a.max_ulps), num(a.float32_err_a), num(a.float32_err_b))
+    return table
+
+
+def render_cross_table(cross: CrossReport, console: Console) -> None:
+    for report in cross.reports:
+        render_table(report, console)
+        console.print()
+    console.print(Text(f"bound: |B_a - B_b| <= e_a + e_b + {cross.allowance:g}u * (S + S_rms,tensor + S_rms,model), "
+                       "e_f = |B_f - O_f| each framework's float32 error against its own float64 run", style="dim"))
+    console.print(agreement_table(cross))
+    console.print(Text(forward_line(cross)))
+    console.print(Text(f"reproduce: {cross.reproduce_command()}", style="dim"))
+    console.print(Group(Text(""), Text(cross_summary(cross), style="bold red" if cross.exit_code else "bold green")))
+
+
+def sweep_table(sweep: SweepReport) -> Table:
+    rows = sweep.rows()
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    first = sweep.reports[0]
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False,
+                  title=f"{first.case}, {first.framework}: worst error of each kind, in units of u·S")
+    for title in ["N", "bound", "√N"] + [f"{k} {m}" for k in kinds for m in ("native", "manual", "|A-B|")] + ["flagged"]:
+        table.add_column(title, justify="left" if title == "flagged" else "right")
+    for row in rows:
+        cells = [str(row["N"]), num(row["bound"]), num(row["sqrt_N"])]
+        for k in kinds:
+            entry = row["kinds"].get(k, {})
+            cells += [num(entry.get(m)) for m in ("native", "manual", "difference")]
+        cells.append(Text(", ".join(row["flagged"]) or "-", style="bold red" if row["flagged"] else ""))
+        table.add_row(*cells)
+    return table
+
+
+def render_sweep_table(sweep: SweepReport, console: Console) -> None:
+    console.print(sweep_table(sweep))
+    console.print(Group(Text(""), Text(sweep_summary(sweep), style="bold red" if sweep.flagged else "bold green")))
+
+
+def trajectory_table(report: TrajectoryReport) -> Table:
+    """One row an optimizer step: each mode's loss and each tensor kind's native/manual
+    parameter difference in float32 ulps."""
+    table = Table(title=f"{report.case}: native vs manual, {report.optimizer} lr {report.lr:g}, "
+                        f"N = {report.accum_steps}; parameter difference in float32 ulps")
+    table.add_column("step", justify="right")
+    for mode in report.losses:
+        table.add_column(f"loss {mode}", justify="right")
+    for kind in report.band_ratio:
+        table.add_column(f"{kind} ulps", justify="right")
+    for k in range(report.steps):
+        table.add_row(str(k), *[f"{report.losses[m][k]:.6g}" for m in report.losses],
+                      *[num(report.band_ratio[kind][k]) for kind in report.band_ratio])
+    return table
+
+
+def render_trajectory(report: TrajectoryReport, console: Console) -> None:
+    console.print(trajectory_table(report))
+    console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True)
+
+
+def render_diff(diff: ReportDiff, console: Console) -> None:
+    """Both reports described, one row a tensor (changed verdicts in red), the summary."""
+    for letter, name, report in (("A", diff.names[0], diff.a), ("B", diff.names[1], diff.b)):
+        console.print(f"{letter}: {name}: {describe(report)}")
+    table = Table()
+    for title in ("tensor", "kind", "verdict A", "verdict B", "ratio A", "ratio B"):
+        table.add_column(title, justify="right" if title.startswith("ratio") else "left", no_wrap=True)
+    for c in diff.common:
+        table.add_row(c.name, c.kind, c.verdict_a, c.verdict_b, num(c.ratio_a), num(c.ratio_b),
+                      style="bold red" if c.changed else "")
+    console.print(table)
+    for line in diff_extra_lines(diff):
+        console.print(line)
+    console.print(diff_summary(diff), style="bold red" if diff.changed else "bold green")
+
+
+def cases_table(cases: list[Case]) -> Table:
+    """The cases: name, default N, parameter tensors and values, description."""
+    table = Table(show_lines=True)
+    for column in ("case", "N", "parameters", "description"):
+        table.add_column(column, overflow="fold")
+    for case in cases:
+        params = case.parameters()
+        table.add_row(case.name, str(case.accum_steps), f"{len(params)} tensors, {sum(p.numel for p in params):,}",
+                      " ".join(case.description.split()))
+    return table
+
+
+_DRAW: dict[type, Callable[[Any, Console], None]] = {
+    Report: render_table, CrossReport: render_cross_table, SweepReport: render_sweep_table,
+    TrajectoryReport: render_trajectory, ReportDiff: render_diff,
+}
+
+
+def render_console(report: Any, console: Console) -> None:
+    """Draw any report kind on a live console (colours where it has them)."""
+    _DRAW[type(report)](report, console)
+
+
+def table_text(report: Any, width: int = 160) -> str:
+    """The table rendering of any report kind as plain text (for files)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    render_console(report, console)
+    return console.file.getvalue()

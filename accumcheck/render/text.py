@@ -1,0 +1,228 @@
+"""Plain-text lines of every report kind, shared by the table, markdown, HTML and the assertion
+message. Rendering never computes: every figure comes from the report."""
+
+from __future__ import annotations
+
+import math
+
+from ..report import KIND_ORDER, CrossReport, Report, ReportDiff, SweepReport, TensorResult
+
+
+def num(x: float | None) -> str:
+    """A number in 3 significant digits, scientific where that reads better."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+
+
+def shape_text(t: TensorResult) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"
+
+
+def index_text(index: list[int]) -> str:
+    return "(" + ", ".join(map(str, index)) + ")"
+
+
+def header_lines(report: Report) -> list[str]:
+    versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
+    native = report.bound["native"]
+    allowance = native.get("kernel_allowance", 0.0)
+    settings = ", ".join(report.notes)
+    lines = [
+        f"case {report.case} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
+        f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}"
+        + (f" · {settings}" if settings else ""),
+        f"{versions} · {report.seconds:.2f}s",
+    ]
+    if report.data_parallel:
+        lines += data_parallel_lines(report)
+    else:
+        lines += [
+            f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
+            + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
+            "E, S: float64 sums of the micro-gradients and of their magnitudes",
+        ]
+    if report.inject:
+        lines.append(f"injected fault: {report.inject}")
+    if report.full_batch is not None:
+        lines.append(full_batch_line(report))
+    lines.append(f"reproduce: {report.reproduce_command()}")
+    return lines
+
+
+def data_parallel_lines(report: Report) -> list[str]:
+    """How a data-parallel run was set up, its bounds, and what the ranks and the single-process
+    reference said."""
+    p, bound = report.data_parallel, report.bound
+    setup = p.setup
+    w, n = setup.world_size, report.accum_steps
+    hosts = setup.hosts
+    lines = [
+        f"data parallel: {w} ranks ({setup.backend}, {setup.launcher}"
+        + (f", {len(hosts)} hosts" if len(hosts) > 1 else "") + f"), {w * n} global micro-batches "
+        f"(rank r, micro-step k: batch k*{w} + r)"
+        + ("; find_unused_parameters=True" if setup.find_unused_parameters else ""),
+        f"native: {setup.native}; manual: {setup.manual}",
+        f"E, S: float64 sums of every rank's micro-gradients and of their magnitudes, all-reduced, divided by {w}",
+        f"bound per element: |mode - E| <= rel * S + k * 2^-126: native {num(bound['native']['relative'])} "
+        f"(N-1 roundings on the rank, then the {setup.reduce_dtype} all-reduce), manual "
+        f"{num(bound['manual']['relative'])}, single process {num(bound['single_process']['relative'])}, "
+        f"a rank's own total against its own E, S {num(bound['rank']['relative'])}",
+    ]
+    single = p.single_process
+    verdict = "agrees" if single.agree else "DISAGREES"
+    lines.append(f"single-process reference ({setup.reference}): native {verdict}, worst "
+                 f"{num(single.worst_agreement)}x the two bounds at {single.worst_tensor or '-'}")
+    ranks = p.ranks
+    if ranks and p.ranks_agree:
+        lines.append(f"ranks: all {len(ranks)} agree (every rank's own total within round-off; the same gradient "
+                     "on every rank after the all-reduce)")
+    elif ranks:
+        lines.append("ranks DISAGREE: " + "; ".join(
+            f"rank {r.rank}" + (f" ({r.host})" if len(hosts) > 1 else "") + ": "
+            + (f"FLAGGED {', '.join(r.flagged)}" if r.flagged else "faithful") for r in ranks)
+            + ("" if p.final_identical else "; the ranks hold different gradients after the all-reduce"))
+    return lines
+
+
+def full_batch_line(report: Report) -> str:
+    f = report.full_batch
+    verdict = "equivalent" if f.equivalent else "SEMANTIC MISMATCH (the loss normalisation, not round-off)"
+    return (f"full batch: loss '{f.normalisation}', accumulated sum x {f.accumulated_scaled_by} against one "
+            f"backward over the whole batch (float64): largest difference {num(f.max_relative_difference)} of the "
+            f"gradient's scale, at {f.worst_tensor}: {verdict}")
+
+
+def summary_line(report: Report) -> str:
+    """One line: what was flagged (embeddings and weights first), or that all is faithful."""
+    n = len(report.tensors)
+    flagged = report.flagged
+    if report.semantic_mismatch and not flagged:
+        return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.loss_reduction}'; "
+                f"every tensor is numerically faithful)")
+    if flagged:
+        named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
+            f", {num(t.ratio)}x bound" if t.verdict == "diverged" else
+            f", {num(t.err_ulps_native)} float32 ulps" if t.verdict == "precision-loss" else "")
+            + (f", rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else "") + ")" for t in flagged[:8])
+        more = f" and {len(flagged) - 8} more" if len(flagged) > 8 else ""
+        return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
+    counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off")}
+    ill = sum(t.ill_conditioned for t in report.tensors)
+    parts = [f"{c} {v}" for v, c in counts.items() if c]
+    text = f"OK: all {n} tensors faithful ({', '.join(parts)})"
+    return text + (f"; {ill} ill-conditioned (heavy cancellation, judged by the bound)" if ill else "")
+
+
+def tensor_details(t: TensorResult) -> list[str]:
+    """torch.testing-style lines for one tensor, plus what the bound knows."""
+    pct = 100.0 * t.mismatched / t.numel if t.numel else 0.0
+    lines = [f"{t.name} ({t.kind}, {shape_text(t)}, {t.dtype}): {t.label}"]
+    if t.verdict == "non-finite":
+        lines.append(f"  Non-finite elements: native {t.nonfinite_native}, manual {t.nonfinite_manual} of {t.numel}")
+        return lines
+    if t.mismatched:
+        lines.append(f"  Mismatched elements: {t.mismatched} / {t.numel} ({pct:.1f}%) native vs manual; "
+                     f"beyond the round-off bound: native {t.over_bound_native}, manual {t.over_bound_manual}")
+    else:
+        lines.append(f"  Native and manual agree in all {t.numel} elements")
+    if t.mismatched:
+        lines.append(f"  Greatest absolute difference: {num(t.max_abs_diff)} at index {index_text(t.max_abs_diff_index)} "
+                     f"(up to {t.classic_atol:g} allowed by torch.testing's atol)")
+        lines.append(f"  torch.testing's defaults (rtol={t.classic_rtol:g}, atol={t.classic_atol:g}) "
+                     f"reject {t.classic_mismatched} elements")
+        lines.append(f"  Greatest relative difference: {num(t.max_rel_diff)}; greatest ulp distance: {num(t.max_ulps)}")
+    if t.worst_index:
+        lines.append(f"  Worst element {index_text(t.worst_index)}: {t.worst_mode} is {num(t.ratio)}x its round-off "
+                     f"bound {num(t.bound_at_worst)}")
+    lines.append(f"  Error against the float64 sum E: native {num(t.err_native)} (ratio {num(t.ratio_native)}), "
+                 f"manual {num(t.err_manual)} (ratio {num(t.ratio_manual)})"
+                 + ("" if t.nearer == "tie" else f"; {t.nearer} is nearer"))
+    if t.precision_ratio is None and t.err_ulps_native is not None:
+        lines.append(f"  Error against E in float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")
+    if t.precision_ratio is not None:
+        lines.append(f"  Against float32's bound (what a float32 buffer keeps): native {num(t.precision_ratio)}x it; error against E in "
+                     f"float32 ulps: native {num(t.err_ulps_native)}, manual {num(t.err_ulps_manual)}")
+    if t.rank_local_ratios is not None:
+        lines.append("  Each rank's own total against its own E and S (ratio to bound): "
+                     + ", ".join(f"rank {r} {num(x)}" for r, x in enumerate(t.rank_local_ratios))
+                     + "; after the all-reduce: " + ", ".join(f"rank {r} {num(x)}" for r, x in enumerate(t.rank_final_ratios or []))
+                     + (f"; flagged: rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else ""))
+    if t.single_agreement is not None:
+        lines.append(f"  Single-process reference: {num(t.single_ratio)}x its bound; native against it "
+                     f"{num(t.single_agreement)}x the two bounds")
+    if t.oracle_err_native is not None:
+        lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
+                     f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")
+    lines.append(f"  Gradient magnitude max|E| {num(t.max_abs_grad)}, {100 * t.norm_share:.3g}% of the whole gradient's "
+                 f"sum of squares; condition number S/|E| {num(t.condition)}"
+                 + (" (ill-conditioned: cancellation, not a bug, while within the bound)" if t.ill_conditioned else ""))
+    return lines
+
+
+def cross_summary(cross: CrossReport) -> str:
+    """One line: per-framework verdicts and whether the frameworks agree."""
+    parts = [f"{r.framework}: {'FLAGGED ' + str(len(r.flagged)) if r.flagged else 'OK'}" for r in cross.reports]
+    disagree = cross.flagged
+    names = " vs ".join(cross.frameworks)
+    if disagree:
+        listed = ", ".join(f"{a.name} ({a.kind}, {num(a.ratio)}x bound)" for a in
+                           sorted(disagree, key=lambda a: KIND_ORDER.index(a.kind) if a.kind in KIND_ORDER else 9))
+        agree = f"{names}: DISAGREE on {len(disagree)} of {len(cross.agreement)} tensors: {listed}"
+    else:
+        agree = f"{names}: all {len(cross.agreement)} tensors agree within the bound"
+    return "; ".join(parts) + "; " + agree
+
+
+def forward_line(cross: CrossReport) -> str:
+    f = cross.forward
+    if f is None:
+        return "forward: not compared"
+    return (f"forward (logits of micro-batch 0): max |difference| {num(f.max_abs_diff)} at {index_text(f.index)}, "
+            f"{num(f.relative)} of max |logit| {num(f.max_abs_logit)} = {num(f.in_float32_units)} float32 "
+            "unit round-offs")
+
+
+def sweep_summary(sweep: SweepReport) -> str:
+    if sweep.flagged:
+        steps = sorted({n for n, _ in sweep.flagged})
+        names = sorted({name for _, name in sweep.flagged})
+        return f"FLAGGED at N = {', '.join(map(str, steps))}: {', '.join(names)}"
+    rows = sweep.rows()
+    below = all(entry[m] <= row["bound"] for row in rows for entry in row["kinds"].values() for m in ("native", "manual"))
+    return (f"OK at every N ({', '.join(str(r.accum_steps) for r in sweep.reports)}); errors "
+            + ("below the bound throughout" if below else "above the bound somewhere"))
+
+
+def describe(a: Report) -> str:
+    versions = " ".join(f"{k} {v}" for k, v in a.versions.items() if k != "accumcheck")
+    return f"{a.case}, {a.framework} ({versions}) on {a.device}, N = {a.accum_steps}" + (
+        f", injected {a.inject}" if a.inject else "")
+
+
+def diff_summary(diff: ReportDiff) -> str:
+    """One line: which tensors changed verdict, or that none did."""
+    changed = diff.changed
+    if changed:
+        return (f"{len(changed)} of {len(diff.common)} tensors changed verdict: "
+                + ", ".join(f"{c.name} ({c.verdict_a} -> {c.verdict_b})" for c in changed))
+    return f"no verdict changed ({len(diff.common)} tensors in both)"
+
+
+def diff_extra_lines(diff: ReportDiff) -> list[str]:
+    """The tensors found in one report only."""
+    return (([f"only in A: {', '.join(diff.only_a)}"] if diff.only_a else [])
+            + ([f"only in B: {', '.join(diff.only_b)}"] if diff.only_b else []))
+
+
+def one_line(report: Report | CrossReport | SweepReport) -> str:
+    """The summary line of any comparison report kind."""
+    if isinstance(report, SweepReport):
+        return sweep_summary(report)
+    if isinstance(report, CrossReport):
+        return cross_summary(report)
+    return summary_line(report)

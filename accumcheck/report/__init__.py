@@ -1,0 +1,27 @@
+"""Every report kind, one JSON codec: plain data with a kind and a schema version.
+
+Computing (``accumcheck.judge``) and drawing (``accumcheck.render``) are kept apart: a saved report
+is re-rendered with ``accumcheck show`` on a machine that has neither framework installed.
+"""
+
+from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement
+from .diff import ReportDiff, TensorChange, diff_reports
+from .files import KINDS, load_report, report_from_data, write_atomic
+from .single import (
+                     SCHEMA_VERSION,
+                     DataParallelResult,
+                     DataParallelSetup,
+                     FullBatchResult,
+                     RankVerdict,
+                     Report,
+                     SingleProcessAgreement,
+)
+from .sweep import SweepReport, growth_rows
+from .tensor import FLAGGED_VERDICTS, KIND_ORDER, VERDICTS, TensorResult
+from .trajectory import TrajectoryReport
+
+__all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "Agreement",
+           "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",
+           "RankVerdict", "Report", "ReportDiff", "SingleProcessAgreement", "SweepReport", "TensorChange",
+           "TensorResult", "TrajectoryReport", "diff_reports", "growth_rows", "load_report", "report_from_data",
+           "write_atomic"]

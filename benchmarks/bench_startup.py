@@ -1,0 +1,79 @@
+"""What an installed accumcheck costs a pytest run that does not use it.
+
+Runs ``pytest`` on one trivial test file, alternately with the accumcheck plugin loaded (as it is
+wherever accumcheck is installed: pytest loads it through its ``pytest11`` entry point) and
+blocked with ``-p no:accumcheck`` (pytest then never imports accumcheck: the same as not
+installed), REPS times each, interleaved, and prints the median wall time of each and the
+difference. Also times ``python -c "import accumcheck"`` against ``python -c "pass"``, and lists
+what importing the plugin module loads.
+
+    python benchmarks/bench_startup.py [--reps 21] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+AIM_S = 0.1  # the most an unused plugin may add to a pytest start
+
+
+def timed(command: list[str], cwd: str) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, cwd=cwd, check=True, capture_output=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    return time.perf_counter() - started
+
+
+def interleaved(commands: dict[str, list[str]], reps: int, cwd: str) -> dict[str, list[float]]:
+    """Each command once per round, ``reps`` rounds, after one warm-up round."""
+    for command in commands.values():
+        timed(command, cwd)
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(reps):
+        for name, command in commands.items():
+            times[name].append(timed(command, cwd))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    python = sys.executable
+    with tempfile.TemporaryDirectory(prefix="accumcheck-startup-") as folder:
+        Path(folder, "test_trivial.py").write_text("def test_nothing():\n    pass\n")
+        pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_trivial.py"]
+        times = interleaved({
+            "pytest, accumcheck plugin loaded": pytest,
+            "pytest, accumcheck plugin blocked": pytest + ["-p", "no:accumcheck"],
+            "python -c 'import accumcheck'": [python, "-c", "import accumcheck"],
+            "python -c 'pass'": [python, "-c", "pass"],
+        }, args.reps, folder)
+        loaded = subprocess.run([python, "-c", "import sys; before = set(sys.modules); import accumcheck.plugin; "
+                                 "print(sorted(m for m in set(sys.modules) - before if '.' not in m))"],
+                                cwd=folder, capture_output=True, text=True, check=True).stdout.strip()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    plugin = median["pytest, accumcheck plugin loaded"] - median["pytest, accumcheck plugin blocked"]
+    package = median["python -c 'import accumcheck'"] - median["python -c 'pass'"]
+    print(f"{args.reps} interleaved runs each, medians:")
+    for name, value in median.items():
+        print(f"  {name:40s} {value * 1000:7.1f} ms")
+    print(f"the plugin adds {plugin * 1000:.1f} ms to a pytest start (aim <= {AIM_S * 1000:.0f} ms): "
+          f"{'met' if plugin <= AIM_S else 'MISSED'}; import accumcheck adds {package * 1000:.1f} ms")
+    print(f"top-level modules that importing the plugin loads beyond Python's own: {loaded}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"reps": args.reps, "median_s": median, "plugin_s": plugin,
+                                               "import_s": package, "aim_s": AIM_S, "loaded": loaded}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The pytest plugin, exercised on fresh test files with pytester."""
+
+import importlib
+import importlib.util
+import json
+
+import pytest
+from conftest import needs_torch
+
+# Import the frameworks here, once: pytester's in-process runs drop modules first imported inside
+# them, and a C extension such as torch cannot be imported a second time. Runs that compute with
+# torch go to a subprocess.
+for _framework in ("torch", "mxnet"):
+    if importlib.util.find_spec(_framework):
+        importlib.import_module(_framework)
+
+USER_TESTS = """
+import accumcheck
+
+def test_faithful_model(accum_steps, accum_framework, accum_device):
+    report = accumcheck.compare("shared-weight", framework=accum_framework, device=accum_device,
+                                accum_steps=accum_steps)
+    accumcheck.assert_faithful(report)
+
+def test_faulty_model(accum_steps, accum_framework, accum_device):
+    report = accumcheck.compare("shared-weight", framework=accum_framework, device=accum_device,
+                                accum_steps=accum_steps, inject="scale")
+    accumcheck.assert_faithful(report)
+"""
+
+
+@needs_torch
+def test_fixtures_and_assertion_on_a_fresh_test_file(pytester):
+    pytester.makepyfile(USER_TESTS)
+    # In a subprocess: torch imports parts of itself lazily, which an in-process run would drop.
+    result = pytester.runpytest_subprocess("--accum-steps", "4,8", "--accum-framework", "torch")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines([
+        "accumcheck: --accum-steps 4,8 --accum-framework torch --accum-device cpu*",
+        "*test_faulty_model*N4-torch-cpu*",
+        "*Gradient accumulation is not faithful (case shared-weight, torch on cpu, N = 4)*",
+        "*shared.weight (weight, 16x16, float32): diverged*",
+        "*Mismatched elements: 256 / 256 (100.0%)*",
+        "*Greatest absolute difference: * at index (*",
+        "*Worst element (*): native is *x its round-off bound*",
+        "*manual is nearer*",
+        "*Reproduce: accumcheck compare --framework torch --device cpu --case shared-weight --accum-steps 4*",
+    ])
+    text = result.stdout.str()
+    assert "raise AccumulationMismatch" not in text  # __tracebackhide__: the user's line is shown
+    assert "accumcheck.assert_faithful(report)" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--accum-steps", "0"], "argument --accum-steps: '0' is not a positive integer"),
+    (["--accum-steps", "16,x"], "argument --accum-steps: 'x' is not a positive integer"),
+    (["--accum-framework", "jax"], "argument --accum-framework: 'jax' is not a framework here (known: mxnet, torch)"),
+    (["--accum-device", "tpu"], "argument --accum-device: unknown device 'tpu'; use cpu, gpu, cuda or cuda:N"),
+    (["--accum-case", "nope"], "argument --accum-case: unknown case 'nope'; built-in cases:"),
+])
+def test_bad_option_values_are_usage_errors(pytester, args, message):
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_parametrisation_covers_every_combination(pytester):
+    pytester.makepyfile("""
+        def test_combo(accum_steps, accum_framework, accum_device, accum_case):
+            pass
+    """)
+    result = pytester.runpytest("--accum-steps", "16,32", "--accum-framework", "torch,mxnet",
+                                "--accum-case", "tiny-grads,shared-weight", "--collect-only", "-q")
+    ids = [line for line in result.stdout.lines if "test_combo[" in line]
+    assert len(ids) == 2 * 2 * 2
+    assert any("N16-torch-cpu-tiny-grads" in line for line in ids)
+
+
+def test_default_runs_every_builtin_case_at_its_own_steps(pytester):
+    pytester.makepyfile("""
+        def test_case(accum_case, accum_steps):
+            assert accum_steps is None
+    """)
+    from accumcheck.casefile import builtin_case_names
+
+    result = pytester.runpytest("-q")
+    assert len(builtin_case_names()) == 6
+    result.assert_outcomes(passed=6)  # one per built-in case
+
+
+def test_missing_framework_is_skipped_with_the_reason(pytester):
+    missing = [f for f in ("torch", "mxnet") if importlib.util.find_spec(f) is None]
+    if not missing:
+        pytest.skip("every framework is installed here")
+    pytester.makepyfile("def test_fw(accum_framework): pass")
+    result = pytester.runpytest("--accum-framework", missing[0], "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([f"*{missing[0]} is not installed*"])
+
+
+@needs_torch
+def test_gpu_is_skipped_where_there_is_none(pytester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    pytester.makepyfile("def test_dev(accum_device): pass")
+    result = pytester.runpytest("--accum-framework", "torch", "--accum-device", "cpu,gpu", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*torch sees no GPU*"])
+
+
+@needs_torch
+def test_accum_compare_saves_reports(pytester, tmp_path):
+    pytester.makepyfile("""
+        import accumcheck
+        def test_it(accum_compare):
+            accumcheck.assert_faithful(accum_compare("tiny-grads"))
+    """)
+    folder = tmp_path / "reports"
+    result = pytester.runpytest_subprocess("--accum-steps", "4", "--accum-framework", "torch",
+                                           "--accum-report", str(folder))
+    result.assert_outcomes(passed=1)
+    saved = sorted(p.suffix for p in folder.iterdir())
+    assert saved == [".json", ".md"]
+    data = json.loads(next(folder.glob("*.json")).read_text())
+    assert data["case"] == "tiny-grads" and data["accum_steps"] == 4
+
+
+@needs_torch
+def test_the_readme_example_test_file_runs(pytester):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = re.search(r"```python\n(# test_accumulation\.py\n.*?)```", readme, flags=re.S).group(1)
+    pytester.makepyfile(test_accumulation=example)
+    result = pytester.runpytest_subprocess("--accum-steps", "16,32")
+    result.assert_outcomes(passed=2)

@@ -1,0 +1,74 @@
+"""accumcheck.torch.GradAccumulator: float32 main-grad buffers, plain or compensated."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import accumcheck
+from accumcheck.casefile import builtin_case_names
+
+torch = pytest.importorskip("torch")
+from accumcheck.torch import GradAccumulator  # noqa: E402
+
+F32 = np.float32
+
+
+@pytest.mark.parametrize("steps", [16, 32, 256])
+@pytest.mark.parametrize("case", builtin_case_names())
+def test_compensated_mode_is_within_one_float32_ulp_of_e(case, steps):
+    report = accumcheck.compare(case, accum_steps=steps, mode="compensated")
+    assert report.exit_code == 0 and report.config["mode"] == "compensated"
+    assert max(t.err_ulps_native for t in report.tensors) <= 1.0
+
+
+def test_plain_accumulator_is_round_off_but_drifts_with_n():
+    small = accumcheck.compare("transformer-small", accum_steps=16, mode="accumulator")
+    large = accumcheck.compare("transformer-small", accum_steps=256, mode="accumulator")
+    assert small.exit_code == large.exit_code == 0
+    assert max(t.err_ulps_native for t in large.tensors) > max(t.err_ulps_native for t in small.tensors) > 1
+
+
+def test_it_fixes_bfloat16_accumulation():
+    native = accumcheck.compare("shared-weight", accum_steps=32, dtype="bfloat16")
+    fixed = accumcheck.compare("shared-weight", accum_steps=32, dtype="bfloat16", mode="compensated")
+    assert native.exit_code == 1 and fixed.exit_code == 0
+    assert max(t.err_ulps_native for t in fixed.tensors) <= 1.0
+
+
+def test_apply_and_zero():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    acc = GradAccumulator(model, compensated=True)
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    expected = torch.zeros(3, 4, dtype=torch.float64)
+    for _ in range(3):
+        model(x).float().pow(2).sum().backward()
+        expected += model.weight.grad.double()
+        acc.add()
+        assert model.weight.grad is None
+    acc.apply()
+    assert model.weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(acc.totals()[0].double(), expected, rtol=1e-6, atol=0)
+    acc.zero()
+    assert all(not t.any() for t in acc.totals())
+
+
+@given(st.integers(1, 512).flatmap(lambda n: arrays(F32, (n, 8), elements=st.floats(-1e3, 1e3, width=32))),
+       st.integers(-30, 30))
+def test_compensated_sum_is_within_one_ulp_where_the_theory_promises_it(base, exponent):
+    micro = (base.astype(np.float64) * 10.0**exponent).astype(F32)
+    param = torch.nn.Parameter(torch.zeros(8))
+    acc = GradAccumulator([param], compensated=True)
+    for g in micro:
+        param.grad = torch.from_numpy(g.copy())
+        acc.add()
+    total = acc.totals()[0].numpy().astype(np.float64)
+    exact = micro.astype(np.float64).sum(0)
+    absum = np.abs(micro.astype(np.float64)).sum(0)
+    ulp = np.spacing(np.abs(exact).astype(F32)).astype(np.float64)
+    # Neumaier: |sum - E| <= u|E| + 2 N u^2 S (+ E's own float64 error): one ulp while N u S/|E| is small.
+    u = 2.0**-24
+    promised = (exact != 0) & (2 * len(micro) * u * absum <= 0.25 * np.abs(exact)) & (np.abs(exact) > 1e-37)
+    assert np.all(np.abs(total - exact)[promised] <= ulp[promised])

@@ -1,0 +1,53 @@
+"""Full-batch equivalence: the accumulated gradient against one backward over the whole batch."""
+
+import pytest
+from conftest import needs_torch, run_cli
+
+import accumcheck
+from accumcheck.casefile import builtin_case
+from accumcheck.cases import IGNORE_LABEL
+
+pytestmark = needs_torch
+
+
+def test_the_padded_case_pads_and_ignores():
+    case = builtin_case("padded-tokens")
+    counts = [int((case.batch(k).labels != IGNORE_LABEL).sum()) for k in range(8)]
+    assert len(set(counts)) > 1  # micro-batches hold different numbers of tokens
+    assert case.token_count(8) == sum(counts)
+
+
+def test_a_per_micro_batch_mean_is_caught_as_semantic():
+    report = accumcheck.compare("padded-tokens", full_batch=True, loss_reduction="mean")
+    check = report.full_batch
+    assert report.exit_code == 1 and report.semantic_mismatch
+    assert report.flagged == []  # numerically every tensor is faithful: the mismatch is the loss's
+    assert not check.equivalent and check.max_relative_difference > 1e-3
+
+
+@pytest.mark.parametrize("reduction", ["token_count", "sum"])
+def test_token_normalised_and_summed_losses_pass(reduction):
+    report = accumcheck.compare("padded-tokens", full_batch=True, loss_reduction=reduction)
+    assert report.exit_code == 0
+    assert report.full_batch.max_relative_difference < 1e-12
+
+
+def test_equal_lengths_make_the_mean_equivalent():
+    report = accumcheck.compare("transformer-small", full_batch=True, accum_steps=4)
+    assert report.exit_code == 0 and report.full_batch.equivalent
+
+
+def test_cli_says_which_normalisation_and_that_it_is_semantic():
+    result = run_cli("compare", "--case", "padded-tokens", "--full-batch")
+    assert result.returncode == 1
+    assert "full batch: loss 'mean'" in result.stdout and "SEMANTIC MISMATCH" in result.stdout
+    assert "the accumulated gradient is not the full batch's" in result.stdout
+    assert "--full-batch --loss-reduction mean" in result.stdout  # the reproduce line
+
+
+def test_mxnet_ignores_padding_the_same_way_and_declines_the_full_batch_check():
+    pytest.importorskip("mxnet")
+    cross = accumcheck.compare_frameworks("padded-tokens", accum_steps=4)
+    assert all(not a.flagged for a in cross.agreement)
+    with pytest.raises(accumcheck.AccumcheckError, match="--full-batch: not available with the mxnet backend"):
+        accumcheck.compare("padded-tokens", framework="mxnet", full_batch=True)

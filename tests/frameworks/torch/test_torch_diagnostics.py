@@ -1,0 +1,335 @@
+"""Gradient diagnostics: clipping drop-in, layer statistics in TensorBoard, dominance report."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from accumcheck.diagnostics import layer_groups, layer_norms, select_layers
+from accumcheck.errors import AccumcheckError
+
+torch = pytest.importorskip("torch")
+from accumcheck.diagnostics.torch import GradMonitor, dominance_report, named_parameters  # noqa: E402
+
+
+def many_parameters(seed=0, scale=1.0):
+    """300 parameters: 150 Linear layers in a Sequential, with gradients."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(150)])
+    (model(torch.randn(4, 8)).pow(2).sum() * scale).backward()
+    return model
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, n=6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(n))
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def backward(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 50, (4, 8), generator=gen)
+    torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), x.reshape(-1)).backward()
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def test_layer_selection_defaults_to_blocks_0_1_middle_and_last_two():
+    names = [n for n, _ in Blocks(12).named_parameters()]
+    groups, blocks = layer_groups(names)
+    assert blocks == [f"layers.{i}" for i in range(12)]
+    assert select_layers(names) == ["layers.0", "layers.1", "layers.6", "layers.10", "layers.11"]
+    assert select_layers(names, [0, -1]) == ["layers.0", "layers.11"]
+    assert select_layers(names, "head*,embed*") == ["embed", "head"]
+    assert select_layers(names, "all")[0] == "embed" and len(select_layers(names, "all")) == 14
+    with pytest.raises(AccumcheckError, match="out of range for 12"):
+        select_layers(names, [12])
+    with pytest.raises(AccumcheckError, match="no layer matches"):
+        select_layers(names, "nothing*")
+
+
+def test_layer_norms_of_host_gradients():
+    norms = layer_norms(["a.w", "a.b", "b.w"], [np.full(4, 1.0), np.full(5, 0.0), np.full(9, 1.0)])
+    assert norms == {"a": 2.0, "b": 3.0}
+
+
+def test_names_from_plain_parameters_and_param_groups():
+    model = Blocks(2)
+    plain = named_parameters(model.parameters())
+    assert [n for n, _ in plain][:2] == ["0", "1"]
+    groups = [{"params": list(model.layers.parameters()), "name": "blocks"},
+              {"params": list(model.head.parameters()), "param_names": ["head.weight", "head.bias"]}]
+    assert [n for n, _ in named_parameters(groups)] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3",
+                                                        "head.weight", "head.bias"]
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("max_norm", [1e3, 1.0, 1e-4])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_is_bit_for_bit_torch_clip_grad_norm(max_norm, norm_type):
+    ours, theirs = many_parameters(), many_parameters()
+    assert len(list(ours.parameters())) == 300
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type)
+    monitor = GradMonitor(ours)
+    total = monitor.clip_grad_norm_(max_norm, norm_type)
+    assert torch.equal(total, expected)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert monitor.last_norms.shape == (300,)
+    assert torch.allclose(torch.linalg.vector_norm(monitor.last_norms, norm_type), total)
+
+
+def test_clip_with_some_gradients_missing_and_error_if_nonfinite():
+    ours, theirs = many_parameters(), many_parameters()
+    for model in (ours, theirs):
+        model[3].weight.grad = None
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5)
+    monitor = GradMonitor(ours)
+    assert torch.equal(monitor.clip_grad_norm_(0.5), expected)
+    assert monitor.last_norms[6] == 0  # 3.weight
+    ours[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        monitor.clip_grad_norm_(0.5, error_if_nonfinite=True)
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+def test_event_files_hold_the_layer_statistics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = Blocks(6)
+    writer = SummaryWriter(str(tmp_path))
+    monitor = GradMonitor(model, writer=writer, log_every=2)
+    expected = {}
+    for step in range(5):
+        model.zero_grad()
+        backward(model, seed=step)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        monitor.clip_grad_norm_(1e9)  # no clipping: the logged values are the raw gradients
+        if step % 2 == 0:
+            layer = [grads["layers.0.weight"], grads["layers.0.bias"]]
+            expected[step] = (float(torch.sqrt(sum(g.double().pow(2).sum() for g in layer))),
+                              float(min(g.min() for g in layer)), float(max(g.max() for g in layer)))
+    monitor.flush()
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for layer in ("layers.0", "layers.1", "layers.3", "layers.4", "layers.5"):
+        for stat in ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share"):
+            assert f"{stat}/{layer}" in tags
+    norms = {e.step: e.value for e in events.Scalars("grad_norm/layers.0")}
+    assert sorted(norms) == [0, 2, 4]
+    for step, (norm, low, high) in expected.items():
+        assert norms[step] == pytest.approx(norm, rel=1e-5)
+        assert events.Scalars("grad_min/layers.0")[step // 2].value == pytest.approx(low, rel=1e-6)
+        assert events.Scalars("grad_max/layers.0")[step // 2].value == pytest.approx(high, rel=1e-6)
+
+
+def test_on_demand_window_logs_every_step(tmp_path):
+    class Recorder:
+        def __init__(self):
+            self.steps = set()
+
+        def add_scalar(self, tag, value, step):
+            self.steps.add(step)
+
+    model = Blocks(2)
+    recorder = Recorder()
+    monitor = GradMonitor(model, writer=recorder, log_every=1000)
+    for step in range(8):
+        if step == 3:
+            monitor.enable(steps=3)
+        backward(model)
+        monitor.clip_grad_norm_(1e9)
+    monitor.flush()
+    assert recorder.steps == {0, 3, 4, 5}
+
+
+# ----------------------------------------------------------------------------- dominance
+
+
+def test_a_huge_gradient_is_named_first_with_most_of_the_norm(caplog):
+    model = Blocks(6)
+    backward(model)
+    model.layers[4].weight.grad.mul_(1e4)
+    monitor = GradMonitor(model, clip_threshold=0.1)
+    with caplog.at_level(logging.WARNING, logger="accumcheck.diagnostics"):
+        monitor.clip_grad_norm_(1.0)
+        reports = monitor.flush()
+    assert len(reports) == 1
+    first = reports[0].entries[0]
+    assert first.name == "layers.4.weight" and first.share > 0.9
+    assert "clipping scale" in reports[0].reason
+    assert "layers.4.weight" in caplog.text
+
+
+def test_non_finite_gradients_are_reported_not_crashed_on():
+    model = Blocks(3)
+    backward(model)
+    model.layers[1].bias.grad[2] = float("inf")
+    monitor = GradMonitor(model)
+    monitor.clip_grad_norm_(1.0)
+    report = monitor.flush()[0]
+    assert report.reason == "non-finite gradient norm"
+    assert report.entries[0].name == "layers.1.bias"
+    assert report.entries[0].nonfinite == 1 and report.entries[0].largest_index == [2]
+
+
+def test_normal_steps_report_nothing_and_the_function_works_alone():
+    model = Blocks(3)
+    backward(model)
+    monitor = GradMonitor(model)
+    monitor.clip_grad_norm_(1e9)
+    assert monitor.flush() == []
+    names = [n for n, _ in model.named_parameters()]
+    report = dominance_report(names, list(model.parameters()), top_k=3)
+    assert len(report.entries) == 3 and sum(e.share for e in report.entries) <= 1.0
+
+
+def test_normal_steps_never_wait_for_the_device(monkeypatch):
+    """Count host synchronisations in the diagnostics path: .item(), .tolist(), .cpu()."""
+    model = Blocks(6)
+    monitor = GradMonitor(model, writer=None, log_every=10**9)
+    calls = []
+    for method in ("item", "tolist", "cpu"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _name=method, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    for step in range(20):
+        model.zero_grad()
+        backward(model, seed=step)
+        calls.clear()
+        monitor.clip_grad_norm_(1e9)
+        assert calls == [], f"step {step}: {calls}"
+    assert monitor.reports == []
+
+
+@pytest.mark.gpu
+def test_normal_steps_pass_sync_debug_mode_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    model = Blocks(6).cuda()
+    monitor = GradMonitor(model)
+    backward_cuda = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
+        model(torch.randint(0, 50, (4, 8), device="cuda")).reshape(-1, 50),
+        torch.randint(0, 50, (32,), device="cuda")).backward()
+    backward_cuda()
+    monitor.clip_grad_norm_(1e9)  # warm-up: first calls may allocate
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            model.zero_grad()
+            backward_cuda()
+            monitor.clip_grad_norm_(1e9)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_mxnet_statistics_and_dominance():
+    mx = pytest.importorskip("mxnet")
+    from accumcheck.diagnostics.mxnet import clip_global_norm, layer_stats
+    from accumcheck.diagnostics.mxnet import dominance_report as mx_report
+    from mxnet import gluon
+
+    net = gluon.nn.HybridSequential()
+    for _ in range(6):
+        net.add(gluon.nn.Dense(8))
+    net.initialize(mx.init.Xavier())
+    with mx.autograd.record():
+        loss = net(mx.nd.random.normal(shape=(4, 8))).sum()
+    loss.backward()
+    params = net.collect_params()
+    names = list(params.keys())
+    params[names[4]].grad()[:] *= 1e4  # dense2_weight
+    grads = {n: p.grad().asnumpy().astype(np.float64) for n, p in params.items()}
+    total, norms = clip_global_norm(params, max_norm=1.0)
+    expected_total = np.sqrt(sum((g**2).sum() for g in grads.values()))
+    assert float(total.asscalar()) == pytest.approx(expected_total, rel=1e-5)
+    scaled = params[names[4]].grad().asnumpy()
+    assert np.allclose(scaled, grads[names[4]] / (expected_total + 1e-6), rtol=1e-5)
+    stats = layer_stats(params, norms, total)
+    assert list(stats) == ["dense0", "dense1", "dense3", "dense4", "dense5"]  # 0, 1, n//2, -2, -1
+    report = mx_report(params, norms)
+    assert report.entries[0].name == names[4] and report.entries[0].share > 0.9
+    params[names[1]].grad()[0] = float("nan")
+    assert mx_report(params).entries[0].name == names[1]
+
+
+def test_mxnet_statistics_reach_tensorboard_and_gradient_lists_clip(tmp_path):
+    mx = pytest.importorskip("mxnet")
+    from accumcheck.diagnostics.mxnet import clip_global_norm, layer_stats, log_stats
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from accumcheck.diagnostics.tensorboard import ScalarWriter
+
+    grads = [mx.nd.full((3, 3), 2.0), mx.nd.full((4,), 1.0)]
+    total, norms = clip_global_norm(grads, max_norm=1.0)
+    assert float(total.asscalar()) == pytest.approx(np.sqrt(9 * 4 + 4))
+    assert float(grads[1].asnumpy()[0]) == pytest.approx(1 / np.sqrt(40), rel=1e-5)
+    net = mx.gluon.nn.HybridSequential()
+    for _ in range(3):
+        net.add(mx.gluon.nn.Dense(4))
+    net.initialize()
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((2, 4))).sum()
+    loss.backward()
+    writer = ScalarWriter(str(tmp_path))
+    stats = layer_stats(net.collect_params())
+    log_stats(writer, stats, step=7)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    first, last = list(stats)[0], list(stats)[-1]  # Gluon numbers layers globally: dense0.. or dense6..
+    assert len(stats) == 3 and first.startswith("dense")
+    assert {f"grad_norm/{first}", f"grad_share/{last}", f"grad_absmax/{first}"} <= set(events.Tags()["scalars"])
+    assert events.Scalars(f"grad_norm/{first}")[0].step == 7
+    assert events.Scalars(f"grad_norm/{first}")[0].value == pytest.approx(stats[first]["norm"], rel=1e-6)
+
+
+def test_the_divergence_example_names_the_dominating_parameter(capsys, caplog):
+    from accumcheck.frameworks.torch.examples import diverge
+
+    with caplog.at_level(logging.WARNING, logger="accumcheck.diagnostics"):
+        assert diverge.main(["--steps", "48", "--spike-at", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "learning rate spiked" in out
+    last = out.strip().splitlines()[-1]
+    assert "dominance report(s); first: " in last and not last.endswith("none")
+    assert "dominated by:" in caplog.text and "below 0.1" in caplog.text
+    assert "step 39:" not in caplog.text  # nothing fired before the spike
+
+
+def test_compare_logs_both_modes_layer_norms(tmp_path):
+    from conftest import run_cli
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = run_cli("compare", "--case", "transformer-small", "--accum-steps", "4", "--inject", "scale",
+                     "--grad-norms", str(tmp_path))
+    assert result.returncode == 1
+    assert "of the whole gradient's sum of squares" in result.stdout  # the flagged tensor's share
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"grad_norm_native/embed", "grad_norm_manual/embed", "grad_norm_native/block0"} <= tags
+    native = events.Scalars("grad_norm_native/embed")[0]
+    manual = events.Scalars("grad_norm_manual/embed")[0]
+    assert native.step == 4 and native.value != manual.value  # the injected fault shows in the norm

@@ -1,0 +1,212 @@
+"""The house's rules, read from the source: imports run one way, and only the framework packages
+name a framework.
+
+The floors, lowest first (a module may import from its own floor and the floors below):
+
+  core          everything not named below: cases, bounds, faults, options and config, the
+                backend interface and registry, reports, renderers, diagnostics' framework-free
+                parts
+  judge         accumcheck.judge: statistics, verdicts, data-parallel and cross-framework checks
+  frameworks    accumcheck.frameworks: one package per framework
+  entry points  accumcheck (the package's face), accumcheck.api, .cli, .plugin, .assertions
+
+Every import counts, at module level or inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "accumcheck"
+FLOORS = ("core", "judge", "frameworks", "entry points")
+ENTRY_POINTS = {"accumcheck", "accumcheck.api", "accumcheck.cli", "accumcheck.plugin", "accumcheck.assertions"}
+FRAMEWORKS = ("torch", "mxnet")
+
+
+def floor_of(module: str) -> str:
+    if module in ENTRY_POINTS:
+        return "entry points"
+    for prefix, floor in (("accumcheck.judge", "judge"), ("accumcheck.frameworks", "frameworks")):
+        if module == prefix or module.startswith(prefix + "."):
+            return floor
+    return "core"
+
+
+def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package under ``root``."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that module ``name`` imports, anywhere in its body."""
+    is_package = path.name == "__init__.py"
+    here = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            # ``from X import Y``: Y may be a module of X, or a name defined in X
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # import a.b.c: the deepest module that exists
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
+    known = modules(root, package)
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of the graph: its strongly connected components with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run from a lower floor up to a higher one."""
+    return sorted(f"{a} ({floor_of(a)}) -> {b} ({floor_of(b)})" for a, targets in graph.items() for b in targets
+                  if FLOORS.index(floor_of(b)) > FLOORS.index(floor_of(a)))
+
+
+def framework_mentions(source: str) -> list[str]:
+    """Where code (not a docstring or comment) imports or names a framework: an import of it, a
+    name or attribute called after it, or a string that is its name or a module path into it."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    module_path = re.compile(rf"({'|'.join(FRAMEWORKS)})(\.\w+)*")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.split(".")[0] in FRAMEWORKS]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in FRAMEWORKS:
+            found.append(f"line {node.lineno}: from {node.module} import")
+        elif isinstance(node, ast.Name) and node.id in (*FRAMEWORKS, "mx"):
+            found.append(f"line {node.lineno}: name {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in FRAMEWORKS:
+            found.append(f"line {node.lineno}: attribute .{node.attr}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+              and module_path.fullmatch(node.value)):
+            found.append(f"line {node.lineno}: string {node.value!r}")
+    return found
+
+
+# ----------------------------------------------------------------------------- the rules, held
+
+
+def test_the_package_imports_in_no_circle():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_no_import_runs_from_a_lower_floor_up():
+    assert upward(import_graph(ROOT)) == []
+
+
+def test_only_the_framework_packages_name_a_framework():
+    offenders = {name: found for name, path in modules(ROOT).items()
+                 if floor_of(name) != "frameworks" and (found := framework_mentions(path.read_text()))}
+    assert offenders == {}
+
+
+def test_every_module_is_small():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules(ROOT).items()}
+    # The compiled comparator kernel's module is allowed its length: the kernel is one loop.
+    assert {name: n for name, n in sizes.items() if n > 450 and name != "accumcheck.judge.statistics"} == {}
+
+
+# ----------------------------------------------------------------------------- the checks bite
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / PACKAGE / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_a_circle_is_found_also_through_a_function_level_import(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "report.py": "from .sweep import SweepReport\n",
+        "sweep.py": "def sweep():\n    from .api import compare\n",
+        "api.py": "from . import report\n",
+    })
+    assert cycles(import_graph(root)) == [["accumcheck.api", "accumcheck.report", "accumcheck.sweep"]]
+
+
+def test_an_upward_import_is_found(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "", "cases.py": "from .frameworks.torch import backend\n",
+        "frameworks/__init__.py": "", "frameworks/torch/__init__.py": "", "frameworks/torch/backend.py": "",
+    })
+    assert upward(import_graph(root)) == [
+        "accumcheck.cases (core) -> accumcheck.frameworks.torch.backend (frameworks)"]
+
+
+def test_framework_names_in_code_are_found_and_docstrings_are_not():
+    source = '''"""Runs on torch and mxnet."""
+import torch.nn
+from mxnet import gluon
+
+
+def f(framework, options):
+    """Not for "torch" only."""
+    # torch in a comment
+    if framework != "torch" or options.mxnet:
+        return importlib.util.find_spec("torch.cuda"), mx
+    return "compared with torch.testing's defaults"
+'''
+    assert sorted(framework_mentions(source)) == [
+        "line 10: name mx", "line 10: string 'torch.cuda'", "line 2: import torch.nn", "line 3: from mxnet import",
+        "line 9: attribute .mxnet", "line 9: string 'torch'"]

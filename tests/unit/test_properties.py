@@ -1,0 +1,259 @@
+"""Property-based proof of the comparator's claims, and of the round trips.
+
+No false positives: every correct accumulation of generated micro-gradients (sequential in either
+order, pairwise, compensated, float32) is judged within the bound. No false negatives: a dropped,
+doubled or scaled micro-step, or a bfloat16 accumulation, whose effect exceeds the bound is
+flagged, on the perturbed tensor and no other. The default profile runs a bounded number of
+examples; `pytest tests/test_properties.py --hypothesis-profile thorough` runs 10,000 each.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import tomli_w
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes, arrays
+
+from accumcheck.bounds import ModeBound
+from accumcheck.casefile import builtin_case, builtin_case_names, parse_case
+from accumcheck.cases import ACTIVATIONS
+from accumcheck.faults import SCALE_FACTOR, round_to_bfloat16
+from accumcheck.judge import compare_tensor
+from accumcheck.report import Report, TensorResult
+
+F32 = np.float32
+# Any finite float32 of magnitude up to 1e30, subnormals included; 512 of them cannot overflow.
+LIMIT = float(F32(1e30))
+ELEMENTS = st.floats(min_value=-LIMIT, max_value=LIMIT, width=32, allow_subnormal=True)
+
+
+@st.composite
+def micro_gradients(draw, steps=None, shape=None):
+    """N micro-gradients of one tensor: (N, *shape) float32, N from 1 to 512."""
+    steps = steps or draw(st.integers(1, 512))
+    shape = shape or draw(array_shapes(min_dims=1, max_dims=3, max_side=5))
+    style = draw(st.sampled_from(["any", "scaled", "cancelling"]))
+    if style == "any":  # magnitudes spread over the whole range
+        return draw(arrays(F32, (steps, *shape), elements=ELEMENTS))
+    base = draw(arrays(F32, (steps, *shape), elements=st.floats(-1, 1, width=32, allow_subnormal=False)))
+    scale = 10.0 ** draw(st.integers(-30, 30))
+    if style == "cancelling":  # pairs of near-opposite terms: heavy cancellation
+        base[1::2] = -base[0::2][: len(base[1::2])] * F32(1 + draw(st.floats(-1e-3, 1e-3)))
+    return (base.astype(np.float64) * scale).astype(F32)
+
+
+def sequential(micro, order=None):
+    total = np.zeros(micro.shape[1:], F32)
+    for k in range(len(micro)) if order is None else order:
+        total += micro[k]
+    return total
+
+
+def pairwise(micro):
+    if len(micro) == 1:
+        return micro[0].copy()
+    half = len(micro) // 2
+    return (pairwise(micro[:half]) + pairwise(micro[half:])).astype(F32)
+
+
+def compensated(micro):
+    """Kahan summation in float32."""
+    total = np.zeros(micro.shape[1:], F32)
+    carry = np.zeros(micro.shape[1:], F32)
+    for g in micro:
+        y = (g - carry).astype(F32)
+        t = (total + y).astype(F32)
+        carry = ((t - total).astype(F32) - y).astype(F32)
+        total = t
+    return total
+
+
+def references(micro):
+    wide = micro.astype(np.float64)
+    return wide.sum(0), np.abs(wide).sum(0)
+
+
+def judge(native, manual, micro):
+    exact, absum = references(micro)
+    bound = ModeBound.for_sum("float32", len(micro))
+    return compare_tensor("t", "weight", native, manual, exact, absum, bound, bound), bound, absum
+
+
+# ----------------------------------------------------------------------------- no false positives
+
+
+@given(micro_gradients(), st.randoms(use_true_random=False))
+def test_no_correct_accumulation_is_ever_flagged(micro, rnd):
+    order = list(range(len(micro)))
+    rnd.shuffle(order)
+    manual = sequential(micro)
+    for native in (sequential(micro, reversed(range(len(micro)))), sequential(micro, order), pairwise(micro),
+                   compensated(micro), micro.sum(axis=0, dtype=F32)):
+        result, _, _ = judge(native, manual, micro)
+        assert not result.flagged, (result.verdict, result.ratio, result.worst_index)
+        assert result.ratio <= 1.0
+
+
+# ----------------------------------------------------------------------------- no false negatives
+
+
+def faulty(kind, micro, step):
+    """The native accumulation with one fault, as accumcheck's injector applies it."""
+    total = np.zeros(micro.shape[1:], F32)
+    for k, g in enumerate(micro):
+        if k == step and kind == "drop-step":
+            continue
+        if k == step and kind == "double-step":
+            g = (g + total).astype(F32)
+        if k == step and kind == "scale":
+            g = (g * F32(SCALE_FACTOR)).astype(F32)
+        total = (total + g).astype(F32)
+        if kind == "bf16":
+            total = round_to_bfloat16(total)
+    return total
+
+
+@given(st.data(), st.sampled_from(["drop-step", "double-step", "scale", "bf16"]))
+def test_a_fault_beyond_the_bound_is_flagged_on_its_tensor_only(data, kind):
+    steps = data.draw(st.integers(2 if kind == "double-step" else 1, 512), label="N")
+    tensors = [data.draw(micro_gradients(steps=steps), label=f"tensor{i}") for i in range(3)]
+    hit = data.draw(st.integers(0, 2), label="perturbed tensor")
+    step = data.draw(st.integers(1 if kind == "double-step" else 0, steps - 1), label="step")
+    assume(all(np.isfinite(faulty(kind, m, step)).all() for m in tensors))
+    for i, micro in enumerate(tensors):
+        correct = sequential(micro)
+        native = faulty(kind, micro, step) if i == hit else correct
+        result, bound, absum = judge(native, correct, micro)
+        if i != hit:
+            assert not result.flagged
+            continue
+        # Visible: the fault moved some element by more than twice its bound. The correct sum is
+        # within one bound of E, so the faulty one is then more than one bound away.
+        moved = np.abs(native.astype(np.float64) - correct)
+        visible = (moved > 2 * (bound.relative * absum + bound.absolute)).any()
+        event(f"{kind}: {'visible' if visible else 'within the bound'}")
+        if visible:
+            assert result.verdict == "diverged" and result.worst_mode == "native", (result.ratio, kind)
+
+
+# ----------------------------------------------------------------------------- round trips
+
+FINITE_OR_NOT = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@st.composite
+def tensor_results(draw):
+    fields = {}
+    for f in dataclasses.fields(TensorResult):
+        kind = str(f.type)
+        if f.name in ("name", "kind", "dtype", "verdict", "worst_mode", "nearer"):
+            fields[f.name] = draw(st.text(max_size=12))
+        elif f.name == "ratio_map":
+            rows, cols = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+            cell = st.lists(FINITE_OR_NOT, min_size=cols, max_size=cols)
+            fields[f.name] = draw(st.none() | st.lists(cell, min_size=rows, max_size=rows))
+        elif f.name == "ratio_map_cell":
+            fields[f.name] = draw(st.none() | st.lists(st.integers(1, 99), min_size=2, max_size=2))
+        elif kind.startswith("list"):
+            fields[f.name] = draw(st.lists(st.integers(0, 10**6), max_size=4))
+        elif kind == "bool":
+            fields[f.name] = draw(st.booleans())
+        elif kind == "int":
+            fields[f.name] = draw(st.integers(0, 2**53))
+        elif "None" in kind:
+            fields[f.name] = draw(st.none() | FINITE_OR_NOT)
+        else:
+            fields[f.name] = draw(FINITE_OR_NOT)
+    return TensorResult(**fields)
+
+
+@given(st.lists(tensor_results(), max_size=4), st.text(max_size=40), st.integers(1, 10**6))
+def test_report_json_round_trips_exactly(tensors, text, steps):
+    report = Report(case=text, case_source="case x", case_fingerprint="f", case_toml=text, framework="torch",
+                    versions={"torch": "2"}, device="cpu", param_dtype="float32", accum_dtype="float32",
+                    accum_steps=steps, seed=0, oracle=False, inject=None, bound={"native": {"relative": 1e-7}},
+                    settings={"hybridize": True}, losses={"mean_loss": 1.5}, seconds=0.25, created="now",
+                    tensors=tensors)
+    again = Report.from_dict(__import__("json").loads(report.to_json()))
+    assert again.to_json() == report.to_json()
+    for a, b in zip(again.tensors, report.tensors):
+        for f in dataclasses.fields(TensorResult):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if f.name == "ratio_map" and x is not None:
+                assert np.array_equal(np.array(x, dtype=float), np.array(y, dtype=float), equal_nan=True)
+                continue
+            assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), f.name
+
+
+NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=8)
+
+
+@st.composite
+def case_documents(draw):
+    """A valid case document with a random stack of layers."""
+    tokens = draw(st.booleans())
+    width = draw(st.integers(2, 12))
+    names = iter(draw(st.lists(NAMES, min_size=40, max_size=40, unique=True)))
+    layers = []
+    if tokens:
+        inp = {"kind": "tokens", "vocab": draw(st.integers(2, 30)), "seq_len": draw(st.integers(1, 6))}
+        layers.append({"type": "embedding", "name": next(names), "dim": width})
+    else:
+        inp = {"kind": "features", "features": width, "scale": draw(st.floats(1e-6, 1e3)),
+               "spread": draw(st.floats(0, 1))}
+    inp.update(batch_size=draw(st.integers(1, 4)), labels=draw(st.sampled_from(["random", "alternate"])),
+               distinct_batches=draw(st.integers(0, 3)))
+    for _ in range(draw(st.integers(0, 5))):
+        kind = draw(st.sampled_from(["dense", "activation", "layernorm", "residual", "shared_dense", "block"]
+                                    + (["attention"] if tokens else [])))
+        name = next(names)
+        if kind == "dense":
+            layers.append({"type": kind, "name": name, "units": width, "bias": draw(st.booleans())})
+        elif kind == "shared_dense":
+            layers.append({"type": kind, "name": name, "units": width, "bias": draw(st.booleans()),
+                           "scales": draw(st.lists(st.floats(-4, 4), min_size=1, max_size=6))})
+        elif kind == "activation":
+            layers.append({"type": kind, "name": name, "fn": draw(st.sampled_from(ACTIVATIONS))})
+        elif kind == "layernorm":
+            layers.append({"type": kind, "name": name})
+        elif kind == "attention":
+            heads = draw(st.sampled_from([h for h in range(1, width + 1) if width % h == 0]))
+            layers.append({"type": kind, "name": name, "heads": heads, "bias": draw(st.booleans()),
+                           "out_proj": draw(st.booleans())})
+        else:  # residual or block around a dense of the same width
+            layers.append({"type": kind, "name": name,
+                           "body": [{"type": "dense", "name": next(names), "units": width, "bias": True}]})
+    if tokens and draw(st.booleans()):
+        layers.append({"type": "tied_output", "name": next(names), "tie": layers[0]["name"], "bias": draw(st.booleans())})
+    else:
+        layers.append({"type": "dense", "name": next(names), "units": draw(st.integers(2, 9)), "bias": True})
+    return {"name": draw(NAMES), "description": draw(st.text(max_size=30)), "seed": draw(st.integers(0, 2**31)),
+            "accum_steps": draw(st.integers(1, 512)), "input": inp,
+            "loss": {"kind": "softmax_cross_entropy", "reduction": draw(st.sampled_from(["mean", "sum"]))},
+            "init": {"scheme": "xavier", "magnitude": draw(st.floats(0.1, 10)), "scale": draw(st.floats(1e-8, 10))},
+            "layers": layers}
+
+
+def _normalised(doc):
+    """What the loader fills in for keys left out, so documents compare field by field."""
+    return parse_case(tomli_w.dumps(doc)).to_document()
+
+
+@given(case_documents())
+def test_case_toml_round_trips_through_the_loader(doc):
+    case = parse_case(tomli_w.dumps(doc), "generated.toml")
+    assert case.to_document() == _normalised(doc)
+    again = parse_case(tomli_w.dumps(case.to_document()), "again.toml")
+    assert dataclasses.replace(again, source=case.source, text=case.text) == case
+    # and the case materialises: every parameter gets a weight of its shape
+    weights = case.weights()
+    assert {p.name: p.shape for p in case.parameters()} == {k: v.shape for k, v in weights.items()}
+
+
+def test_builtin_cases_round_trip():
+    for name in builtin_case_names():
+        case = builtin_case(name)
+        again = parse_case(tomli_w.dumps(case.to_document()), case.source)
+        assert dataclasses.replace(again, text=case.text) == case

@@ -1,0 +1,174 @@
+"""The comparator on hand-computed numbers: each verdict, each statistic, and the controls."""
+
+import math
+
+import numpy as np
+import pytest
+
+from accumcheck.bounds import ModeBound
+from accumcheck.judge import ILL_CONDITIONED, compare_tensor
+
+F32 = np.float32
+U = 2.0**-24
+
+
+def judge(native, manual, exact, absum, steps=2, dtype="float32", **kw):
+    bound = ModeBound.for_sum(dtype, steps)
+    return compare_tensor("t", "weight", np.asarray(native), np.asarray(manual), np.asarray(exact, np.float64),
+                          np.asarray(absum, np.float64), bound, bound, **kw)
+
+
+def test_identical_tensors():
+    x = np.array([1.0, -2.0, 3.5], F32)
+    r = judge(x, x.copy(), x, np.abs(x))
+    assert r.verdict == "identical"
+    assert (r.mismatched, r.max_abs_diff, r.max_ulps, r.ratio, r.classic_mismatched) == (0, 0.0, 0.0, 0.0, 0)
+    assert r.max_abs_grad == 3.5 and r.condition == 1.0 and r.nearer == "tie"
+
+
+def test_one_ulp_apart_at_half_an_ulp_from_e_is_round_off():
+    # E = 1 + 2^-24 lies half-way between native 1 and manual 1 + 2^-23: each is u away from E,
+    # and the bound for two terms summing to S = 1 is gamma_1 * 1 (> u), plus negligible terms.
+    native = np.array([1.0], F32)
+    manual = np.array([1.0 + 2.0**-23], F32)
+    r = judge(native, manual, [1.0 + U], [1.0])
+    assert r.verdict == "round-off"
+    assert r.max_ulps == 1.0
+    assert r.max_abs_diff == 2.0**-23
+    assert r.err_native == U and r.err_manual == U
+    assert r.ratio == pytest.approx(1 - U, rel=1e-6)  # just inside
+    assert r.classic_mismatched == 0
+
+
+def test_three_half_ulps_from_e_is_diverged_and_names_the_mode():
+    native = np.array([1.0 + 2.0**-22], F32)  # 3u above E
+    manual = np.array([1.0], F32)  # u below E
+    r = judge(native, manual, [1.0 + U], [1.0])
+    assert r.verdict == "diverged"
+    assert r.worst_mode == "native" and r.nearer == "manual"
+    assert r.ratio_native == pytest.approx(3.0, rel=1e-6)
+    assert r.ratio_manual == pytest.approx(1.0, rel=1e-6)
+    assert r.over_bound_native == 1 and r.over_bound_manual == 0
+    assert r.max_ulps == 2.0  # ulp(1.0f) = 2^-23
+
+
+def test_verdict_is_scale_invariant_where_fixed_tolerances_are_blind():
+    # The same numbers scaled by 2^-40 (~1e-12): the bound scales with S, so the verdict stays;
+    # torch.testing's atol of 1e-5 would pass them all.
+    s = 2.0**-40
+    native = np.array([(1.0 + 2.0**-22) * s], F32)
+    manual = np.array([1.0 * s], F32)
+    r = judge(native, manual, [(1.0 + U) * s], [s])
+    assert r.verdict == "diverged" and r.ratio == pytest.approx(3.0, rel=1e-6)
+    assert r.classic_mismatched == 0
+    assert r.bound_at_worst == pytest.approx((U / (1 - U)) * s, rel=1e-6)
+
+
+def test_relative_difference_and_classic_tolerances():
+    native = np.array([1.0, 1.0001, 2.0, 0.0], F32)
+    manual = np.array([1.0, 1.0, 2.0 + 1e-5, 0.0], F32)
+    r = judge(native, manual, manual.astype(np.float64), np.abs(manual) * 3, steps=4)
+    assert r.mismatched == 2
+    assert r.classic_mismatched == 1  # 1e-4 > 1e-5 + 1.3e-6; ~1e-5 at 2.0 is within atol + rtol*2
+    assert r.max_abs_diff == pytest.approx(1e-4, rel=1e-2)
+    assert r.max_abs_diff_index == [1]
+    assert r.max_rel_diff == pytest.approx(1e-4, rel=1e-2)
+
+
+def test_relative_difference_against_zero_is_infinite():
+    r = judge(np.array([1e-30], F32), np.array([0.0], F32), [0.0], [1.0])
+    assert r.max_rel_diff == math.inf
+
+
+def test_non_finite_is_a_verdict_not_a_crash():
+    native = np.array([np.inf, 1.0, np.nan], F32)
+    manual = np.array([1.0, 1.0, 1.0], F32)
+    r = judge(native, manual, [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    assert r.verdict == "non-finite" and r.flagged
+    assert r.nonfinite_native == 2 and r.nonfinite_manual == 0
+
+
+def test_heavy_cancellation_is_ill_conditioned_not_diverged():
+    # S = 1 but E = 1e-3: cond 1000. Both modes within the bound: round-off, marked ill-conditioned.
+    native = np.array([1e-3 + 2e-8], F32)
+    manual = np.array([1e-3 - 1e-8], F32)
+    r = judge(native, manual, [1e-3], [1.0], steps=8)
+    assert r.condition == pytest.approx(1000.0)
+    assert r.condition >= ILL_CONDITIONED
+    assert r.verdict == "round-off" and r.ill_conditioned
+    assert r.max_rel_diff > 1e-5  # a relative test would cry wolf here
+
+
+def test_worst_element_is_located_in_a_large_multi_chunk_tensor():
+    rng = np.random.default_rng(1)
+    micro = rng.standard_normal((4, 300, 1000)).astype(F32)
+    native = micro.sum(axis=0, dtype=F32)
+    manual = native.copy()
+    exact = micro.astype(np.float64).sum(axis=0)
+    absum = np.abs(micro.astype(np.float64)).sum(axis=0)
+    assert judge(native, manual, exact, absum, steps=4).verdict == "identical"
+    native[217, 604] += micro[2, 217, 604]  # a micro-step counted twice, in one element
+    r = judge(native, manual, exact, absum, steps=4)
+    assert r.verdict == "diverged"
+    assert r.worst_index == [217, 604] and r.max_abs_diff_index == [217, 604]
+    assert r.mismatched == 1 and r.over_bound_native == 1
+
+
+def test_float64_tensors_use_their_own_ulps():
+    bound = ModeBound.for_sum("float64", 2)
+    one_ulp = compare_tensor("t", "weight", np.array([1.0 + 2.0**-52]), np.array([1.0]), np.array([1.0]),
+                             np.array([1.0]), bound, bound)
+    # 2^-52 = 2u from E, and the float64 bound is gamma_1 for the mode plus gamma_1 for E itself.
+    assert one_ulp.dtype == "float64" and one_ulp.max_ulps == 1.0 and one_ulp.verdict == "round-off"
+    four_ulps = compare_tensor("t", "weight", np.array([1.0 + 2.0**-50]), np.array([1.0]), np.array([1.0]),
+                               np.array([1.0]), bound, bound)
+    assert four_ulps.max_ulps == 4.0 and four_ulps.verdict == "diverged"
+    assert four_ulps.ratio == pytest.approx(4.0, rel=1e-6)  # 8u against 2u
+
+
+def test_ulps_across_zero_count_every_float_between():
+    r = judge(np.array([2.0**-149], F32), np.array([-2.0**-149], F32), [0.0], [1.0])
+    assert r.max_ulps == 2.0  # -min_subnormal, 0, +min_subnormal
+
+
+def test_oracle_errors_are_reported_per_mode():
+    native = np.array([1.0, 2.0], F32)
+    manual = np.array([1.0, 2.0 + 2.0**-22], F32)
+    r = judge(native, manual, [1.0, 2.0], [1.0, 2.0], oracle=np.array([1.0, 2.0 + 2.0**-21]))
+    assert r.oracle_err_native == 2.0**-21
+    assert r.oracle_err_manual == 2.0**-22
+    assert r.oracle_err_exact == 2.0**-21
+
+
+# ------------------------------------------------------------------ controls on real summations
+
+
+def _sums(micro: np.ndarray):
+    forward = np.zeros(micro.shape[1:], F32)
+    for g in micro:
+        forward += g
+    backward = np.zeros(micro.shape[1:], F32)
+    for g in micro[::-1]:
+        backward += g
+    return forward, backward, micro.astype(np.float64).sum(0), np.abs(micro.astype(np.float64)).sum(0)
+
+
+@pytest.mark.parametrize("scale", [1e-10, 1.0, 1e10])
+def test_positive_control_reordered_sums_are_never_flagged(scale):
+    rng = np.random.default_rng(7)
+    micro = (rng.standard_normal((64, 5000)) * scale).astype(F32)
+    forward, backward, exact, absum = _sums(micro)
+    r = judge(forward, backward, exact, absum, steps=64)
+    assert r.verdict == "round-off" and not r.flagged
+    assert 0 < r.ratio < 1
+
+
+@pytest.mark.parametrize("scale", [1e-10, 1.0, 1e10])
+def test_negative_control_a_dropped_micro_step_is_flagged(scale):
+    rng = np.random.default_rng(7)
+    micro = (rng.standard_normal((64, 5000)) * scale).astype(F32)
+    forward, backward, exact, absum = _sums(micro)
+    dropped = (forward - micro[31]).astype(F32)
+    r = judge(dropped, backward, exact, absum, steps=64)
+    assert r.verdict == "diverged" and r.worst_mode == "native" and r.nearer == "manual"
+    assert r.ratio > 100
