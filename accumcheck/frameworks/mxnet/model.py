@@ -89,12 +89,10 @@ class MXNetOps:
 
 def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any) -> Any:
     """The case as a Gluon HybridBlock holding ``weights``; ``canonical`` maps names to Parameters."""
-    from mxnet import gluon
-
     shapes = {p.name: p.shape for p in case.parameters()}
     rank = 3 if case.input.kind == "tokens" else 2
 
-    class CaseBlock(gluon.HybridBlock):
+    class CaseBlock(mx.gluon.HybridBlock):
         def __init__(self) -> None:
             super().__init__(prefix="case_")
             self.canonical: dict[str, Any] = {}
