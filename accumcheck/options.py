@@ -69,6 +69,10 @@ class Option:
             raise ValueError(f"{value!r} is not one of {', '.join(self.choices)}")
         return self.check(value) if self.check is not None else value
 
+    def as_flag(self, value: Any) -> str:
+        """How the command line writes this option with ``value``."""
+        return _flag(self.flag, value)
+
     def from_text(self, text: str) -> Any:
         """Command-line text as a value; raises argparse.ArgumentTypeError with the reason."""
         try:
@@ -202,8 +206,8 @@ def fault_text(value: Any) -> Any:
 
 
 RUN_OPTIONS: tuple[Option, ...] = (
-    Option("framework", "framework", "the framework, or two (comma-separated) to compare them too (default: the "
-           "first installed)", check=framework_names, metavar="NAME[,NAME]", pytest="list", reproduce="always"),
+    Option("framework", "framework", "a framework, or two comma-separated to compare them too; the default is the "
+           "first installed", check=framework_names, metavar="NAME[,NAME]", pytest="list", reproduce="always"),
     Option("device", "device", "cpu, gpu, cuda or cuda:N", default="cpu", check=device_text, metavar="DEV",
            pytest="list", reproduce="always"),
     Option("case", "case", "a built-in case (see `accumcheck cases`) or a case .toml file", default="embed-attention",

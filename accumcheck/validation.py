@@ -34,7 +34,7 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
     a malformed case file, or a combination some chosen backend cannot run."""
     if only is not None:
         for name, value in options.items():
-            if name not in only and value is not None and value != getattr(OPTIONS_BY_NAME.get(name), "default", None):
+            if name not in only and value is not None:
                 raise AccumcheckError(f"--{name.replace('_', '-')}: accumcheck {what} does not take it "
                                       f"(it takes {', '.join('--' + n.replace('_', '-') for n in only)})")
     values, extras = _checked(options)
@@ -63,11 +63,6 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
         backend_options=tuple(extras.items()))
 
 
-def all_options() -> tuple[Option, ...]:
-    """The run options, then every known backend's own (for the command line's parser)."""
-    return RUN_OPTIONS + tuple(option for _, option in backend_options().values())
-
-
 def _checked(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each value checked by its option's rule: (run options with defaults filled in, the
     backend options that were given)."""
@@ -84,12 +79,15 @@ def _checked(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         if isinstance(value, (Case, Fault)):  # already made: taken as it is
             values[name] = value
             continue
-        try:
-            checked = option.validate(value)
-        except ValueError as exc:
-            raise AccumcheckError(f"--{option.flag}: {exc}") from None
-        (values if name in OPTIONS_BY_NAME else extras)[name] = checked
+        (values if name in OPTIONS_BY_NAME else extras)[name] = _valid(option, value)
     return values, extras
+
+
+def _valid(option: Option, value: Any) -> Any:
+    try:
+        return option.validate(value)
+    except ValueError as exc:
+        raise AccumcheckError(f"--{option.flag}: {exc}") from None
 
 
 def _fault(inject: str | Fault | None, case: Any, steps: int) -> Fault | None:
@@ -103,23 +101,16 @@ def _given(option: Option, values: Mapping[str, Any]) -> bool:
     return values[option.name] is not None and values[option.name] != option.default
 
 
-def _shown(option: Option, value: Any) -> str:
-    """How the command line writes the option with this value."""
-    if option.switch:
-        return f"--{option.flag}" if value else f"--no-{option.flag}"
-    return f"--{option.flag} {value}"
-
-
 def _check_combination(values: dict[str, Any], extras: dict[str, Any], backends: list[Backend]) -> None:
     given = [option for option in RUN_OPTIONS if _given(option, values)]
     for option in given:
         missing = [name for name in option.requires if values[name] is None]
         if missing:
-            raise AccumcheckError(f"{_shown(option, values[option.name])}: {_REQUIREMENTS[missing[0]]}")
+            raise AccumcheckError(f"{option.as_flag(values[option.name])}: {_REQUIREMENTS[missing[0]]}")
     if len(backends) > 1:
         for option in given:
             if option.one_framework:
-                raise AccumcheckError(f"{_shown(option, values[option.name])}: works with one framework at a time; "
+                raise AccumcheckError(f"{option.as_flag(values[option.name])}: works with one framework at a time; "
                                       "run each --framework on its own")
     for backend in backends:
         caps = backend.capabilities
@@ -128,13 +119,13 @@ def _check_combination(values: dict[str, Any], extras: dict[str, Any], backends:
                 raise AccumcheckError(_refusal(backend, option, values[option.name]))
             if values["world_size"] is not None and option.name in caps.single_process_only:
                 why = caps.why_not.get("single_process_only", "data-parallel runs do not take it")
-                raise AccumcheckError(f"{_shown(option, values[option.name])}: not available with --world-size "
+                raise AccumcheckError(f"{option.as_flag(values[option.name])}: not available with --world-size "
                                       f"on the {backend.name} backend ({why})")
     owners = {option.name for backend in backends for option in backend.capabilities.options}
     for name, value in extras.items():
         if name not in owners:
             owner, option = backend_options()[name]
-            raise AccumcheckError(f"{_shown(option, value)}: an option of the {owner} backend; "
+            raise AccumcheckError(f"{option.as_flag(value)}: an option of the {owner} backend; "
                                   f"--framework {','.join(b.name for b in backends)} has no such option")
 
 
@@ -143,10 +134,8 @@ def _refusal(backend: Backend, option: Option, value: Any) -> str:
     others = [name for name in backend_names() if name != backend.name
               and get_backend(name, installed=False).capabilities.admits(option, value)]
     fix = f"use --framework {' or '.join(others)}" if others else f"drop --{option.flag}"
-    return (f"{_shown(option, value)}: not available with the {backend.name} backend"
+    return (f"{option.as_flag(value)}: not available with the {backend.name} backend"
             + (f" ({why})" if why else "") + f"; {fix}")
-
-
 
 def checked_values(options: Mapping[str, Any], spec: tuple[Option, ...]) -> dict[str, Any]:
     """``options`` checked against ``spec`` (a command's own options), defaults filled in."""
@@ -156,8 +145,5 @@ def checked_values(options: Mapping[str, Any], spec: tuple[Option, ...]) -> dict
         if name not in known:
             raise AccumcheckError(f"unknown option {name!r}; the options are {', '.join(known)}")
         if value is not None:
-            try:
-                values[name] = known[name].validate(value)
-            except ValueError as exc:
-                raise AccumcheckError(f"--{known[name].flag}: {exc}") from None
+            values[name] = _valid(known[name], value)
     return values

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from typing import Any, Iterator
 
 import numpy as np
@@ -40,14 +41,24 @@ def deterministic(device: torch.device) -> Iterator[dict[str, Any]]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.use_deterministic_algorithms(True)
+    _use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
         yield {"deterministic_algorithms": True, "tf32": False, "threads": torch.get_num_threads()}
     finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        _use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
+
+
+def _use_deterministic_algorithms(mode: bool, warn_only: bool = False) -> None:
+    # torch.use_deterministic_algorithms also sets TorchInductor's flag, and imports TorchInductor
+    # (with dynamo and sympy: 1.7 s on a CPU) to do so. accumcheck compiles nothing: where
+    # TorchInductor is not loaded yet, set the flag PyTorch's kernels read and leave it alone.
+    if "torch._inductor.config" in sys.modules or not hasattr(torch._C, "_set_deterministic_algorithms"):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def isolated(device: torch.device) -> Any:

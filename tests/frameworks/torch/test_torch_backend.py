@@ -109,3 +109,21 @@ def test_gpu_run_matches_the_cpu_verdicts():
     assert report.exit_code == 0 and report.device.startswith("cuda")
     faulty = accumcheck.compare("transformer-small", device="cuda", accum_steps=32, inject="double-step")
     assert [t.name for t in faulty.flagged] == ["embed.weight"]
+
+
+def test_deterministic_algorithms_are_on_for_the_run_and_torchinductor_is_left_alone():
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from accumcheck.frameworks.torch.model import deterministic
+with deterministic(torch.device("cpu")) as settings:
+    assert torch.are_deterministic_algorithms_enabled() and settings["deterministic_algorithms"]
+    assert not torch.backends.cuda.matmul.allow_tf32
+assert not torch.are_deterministic_algorithms_enabled()
+assert "torch._inductor.config" not in sys.modules  # 1.7 s not spent on a compiler nothing uses
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
