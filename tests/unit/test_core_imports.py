@@ -53,3 +53,13 @@ def test_core_imports_no_framework():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stdout
+
+
+def test_the_plugin_and_the_package_load_nothing_heavy():
+    """What every pytest start pays where accumcheck is installed: importing the plugin (and so
+    the package) loads neither numpy, numba, rich, matplotlib nor any framework."""
+    script = ("import sys, accumcheck.plugin; "
+              "print(sorted(m for m in ('numpy', 'numba', 'rich', 'matplotlib', 'torch', 'mxnet', 'accumcheck.api')"
+              " if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", (result.stdout, result.stderr)
