@@ -6,6 +6,7 @@ this process with ``register_backend``. Loading a backend imports its module, no
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import tomllib
 from pathlib import Path
@@ -29,7 +30,9 @@ def register_backend(backend: type[Backend]) -> None:
     _instances.pop(backend.name, None)
 
 
+@functools.cache
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The group's entry points (read once a process: reading scans every installed package)."""
     found = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
     try:
         importlib.metadata.distribution("accumcheck")
