@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .cases import LAYER_TYPES
 from .config import RunConfig
 from .errors import AccumcheckError
 from .options import ACCUM_DTYPES, Option
@@ -32,7 +33,8 @@ class Capabilities:
     value other than its default only where the field admits it: a tuple lists the values, a
     bool says yes or no. ``single_process_only`` names options it honours without
     ``world_size`` only; ``options`` are its own (MXNet's ``hybridize``); ``trajectory`` says
-    whether it runs ``accumcheck train``."""
+    whether it runs ``accumcheck train``; ``layer_types`` which of the case vocabulary's layers
+    it builds (a case with others is refused)."""
 
     dtypes: tuple[str, ...] = ("float32",)
     accum_dtypes: tuple[str, ...] = ACCUM_DTYPES
@@ -43,6 +45,7 @@ class Capabilities:
     reduce_dtypes: tuple[str, ...] = ("float32",)
     single_process_only: tuple[str, ...] = ()
     trajectory: bool = False
+    layer_types: tuple[str, ...] = LAYER_TYPES  # the layer types it builds a case from
     options: tuple[Option, ...] = ()
     why_not: dict[str, str] = field(default_factory=dict)  # option name -> why it is limited here
 

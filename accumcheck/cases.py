@@ -185,18 +185,21 @@ class Case:
             labels[padding] = IGNORE_LABEL
         return Batch(inputs=inputs, labels=labels, index=index)
 
-    def conditional_layers(self) -> list[Layer]:
-        """The conditional layers, in the order of the layers (depth first)."""
+    def all_layers(self) -> list[Layer]:
+        """Every layer, blocks' bodies included, in the order of the layers (depth first)."""
         found: list[Layer] = []
 
         def visit(layers: tuple[Layer, ...]) -> None:
             for layer in layers:
-                if layer.type == "conditional":
-                    found.append(layer)
+                found.append(layer)
                 visit(layer.body)
 
         visit(self.layers)
         return found
+
+    def conditional_layers(self) -> list[Layer]:
+        """The conditional layers, in the order of the layers (depth first)."""
+        return [layer for layer in self.all_layers() if layer.type == "conditional"]
 
     def gates(self, index: int) -> list[bool]:
         """For micro-batch ``index``: whether each conditional layer (in order) takes its branch."""

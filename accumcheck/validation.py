@@ -48,6 +48,12 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
     steps = values["accum_steps"] or case.accum_steps
     fault = _fault(values["inject"], case, steps)
     _check_combination(values, extras, backends)
+    for backend in backends:
+        missing = sorted({layer.type for layer in case.all_layers()} - set(backend.capabilities.layer_types))
+        if missing:
+            raise AccumcheckError(f"--case {case.name}: the {backend.name} backend builds no {', '.join(missing)} "
+                                  f"layers (it builds {', '.join(backend.capabilities.layer_types)}); use a case "
+                                  "without them or another --framework")
     if values["full_batch"] and case.conditional_layers():
         raise AccumcheckError(f"--full-batch: case {case.name!r} routes each micro-batch through its conditional "
                               "layers on its own, so the whole batch has no single route; drop --full-batch")

@@ -51,7 +51,8 @@ class ToyBackend(Backend):
 
     name = "toy"
     install = "it ships with its tests"
-    capabilities = Capabilities(accum_dtypes=("float32",), why_not={"world_size": "it runs in one process"})
+    capabilities = Capabilities(accum_dtypes=("float32",), layer_types=("dense",),
+                                why_not={"world_size": "it runs in one process"})
 
     def has_device(self, kind: str) -> bool:
         return kind == "cpu"
@@ -151,6 +152,9 @@ def test_the_python_api_runs_it(toy, monkeypatch):
     assert [t.name for t in faulty.flagged] == ["linear.bias"]
     with pytest.raises(AccumcheckError, match="--world-size 2: not available with the toy backend"):
         accumcheck.compare(toy["case"], framework="toy", world_size=2)
+    with pytest.raises(AccumcheckError, match=r"--case tiny-grads: the toy backend builds no activation layers \(it "
+                                              r"builds dense\); use a case without them or another --framework"):
+        accumcheck.compare("tiny-grads", framework="toy")
 
 
 def test_the_hand_written_gradient_is_right():
