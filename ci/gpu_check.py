@@ -105,8 +105,9 @@ def check_data_parallel() -> dict:
                                 inject_rank=world - 1)
     named = faulty.flagged[0].flagged_ranks if faulty.flagged else None
     return {"ok": clean.exit_code == 0 and [t.name for t in faulty.flagged] == ["embed.weight"] and named == [world - 1],
-            "world_size": world, "backend": clean.data_parallel["backend"], "clean_exit": clean.exit_code,
-            "clean_seconds": clean.seconds, "single_process_worst": clean.data_parallel["single_process"]["worst_agreement"],
+            "world_size": world, "backend": clean.data_parallel.setup.backend, "clean_exit": clean.exit_code,
+            "clean_seconds": clean.seconds,
+            "single_process_worst": clean.data_parallel.single_process.worst_agreement,
             "fault_flagged": [t.name for t in faulty.flagged], "fault_ranks": named}
 
 
