@@ -8,7 +8,6 @@ from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement
 from .diff import ReportDiff, TensorChange, diff_reports
 from .files import KINDS, load_report, report_from_data, write_atomic
 from .single import (
-                     SCHEMA_VERSION,
                      DataParallelResult,
                      DataParallelSetup,
                      FullBatchResult,
@@ -19,6 +18,7 @@ from .single import (
 from .sweep import SweepReport, growth_rows
 from .tensor import FLAGGED_VERDICTS, KIND_ORDER, VERDICTS, TensorResult
 from .trajectory import TrajectoryReport
+from .values import SCHEMA_VERSION
 
 __all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "Agreement",
            "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",

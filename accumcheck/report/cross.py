@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..options import command_line
-from .single import SCHEMA_VERSION, Report
-from .values import Serialised
+from .single import Report
+from .values import SCHEMA_VERSION, Serialised
 
 CROSS_VERDICTS = ("identical", "agree", "disagree", "non-finite")
 

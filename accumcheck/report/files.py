@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AccumcheckError
-from . import legacy
 from .cross import CrossReport
-from .single import SCHEMA_VERSION, Report
+from .single import Report
 from .sweep import SweepReport
 from .trajectory import TrajectoryReport
+from .values import SCHEMA_VERSION
 
 KINDS: dict[str, type] = {"report": Report, "cross": CrossReport, "sweep": SweepReport, "trajectory": TrajectoryReport}
 _NAMES = {"report": "", "cross": " cross-framework", "sweep": " sweep", "trajectory": " trajectory"}
@@ -33,7 +33,7 @@ def report_from_data(data: Any, source: str = "<report>") -> Any:
     if kind not in KINDS:
         raise AccumcheckError(f"{source}: unknown report kind {kind!r} (known: {', '.join(KINDS)})")
     try:
-        return KINDS[kind].from_dict(legacy.upgrade(data) if version == 1 else data, source)
+        return KINDS[kind].from_dict(data, source)
     except (TypeError, KeyError, AttributeError) as exc:
         raise AccumcheckError(f"{source}: not an accumcheck{_NAMES[kind]} report ({exc})") from None
 

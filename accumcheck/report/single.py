@@ -10,9 +10,7 @@ from typing import Any
 
 from ..options import command_line
 from .tensor import KIND_ORDER, TensorResult
-from .values import Serialised
-
-SCHEMA_VERSION = 2
+from .values import SCHEMA_VERSION, Serialised
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..bounds import UNIT_ROUNDOFF
-from .single import SCHEMA_VERSION, Report
-from .values import Serialised
+from .single import Report
+from .values import SCHEMA_VERSION, Serialised
 
 
 @dataclass

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .single import SCHEMA_VERSION
-from .values import Serialised
+from .values import SCHEMA_VERSION, Serialised
 
 
 @dataclass

@@ -14,7 +14,10 @@ import types
 import typing
 from typing import Any
 
+from . import legacy
+
 FLOAT_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+SCHEMA_VERSION = 2
 
 
 def encode(obj: Any) -> Any:
@@ -44,6 +47,7 @@ def decode(cls: type, data: Any) -> Any:
 
 
 def _value(hint: Any, value: Any) -> Any:
+    """``value`` as the field type ``hint`` wants it. Raises TypeError where it does not fit."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None:
@@ -51,19 +55,29 @@ def _value(hint: Any, value: Any) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _value(inner[0], value) if len(inner) == 1 else value
     if hint is float:
-        return FLOAT_WORDS.get(value, value) if isinstance(value, str) else value
+        value = FLOAT_WORDS.get(value, value) if isinstance(value, str) else value
+        return _expect(value, (int, float), "a number")
+    if hint in (int, str, bool):
+        return _expect(value, hint, hint.__name__)
     if dataclasses.is_dataclass(hint):
         return decode(hint, value)
-    if origin is list and isinstance(value, list):
-        return [_value(args[0], v) for v in value] if args else value
-    if origin is dict and isinstance(value, dict):
+    if origin is list:
+        return [_value(args[0], v) for v in _expect(value, list, "a list")] if args else _expect(value, list, "a list")
+    if origin is dict:
+        value = _expect(value, dict, "an object")
         return {k: _value(args[1], v) for k, v in value.items()} if args else value
     return value
 
 
+def _expect(value: Any, kinds: Any, what: str) -> Any:
+    if isinstance(value, bool) and kinds is not bool or not isinstance(value, kinds):
+        raise TypeError(f"expected {what}, got {value!r}"[:200])
+    return value
+
+
 class Serialised:
-    """A report kind's JSON: ``to_dict``, ``to_json`` and ``from_dict`` (of the current schema;
-    ``accumcheck.report.load`` also reads older ones)."""
+    """A report kind's JSON: ``to_dict``, ``to_json`` and ``from_dict`` (which reads this schema
+    version and, upgraded, version 1)."""
 
     kind: str
     schema_version: int
@@ -76,5 +90,11 @@ class Serialised:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> Any:
-        """Raises TypeError or KeyError when ``data`` is not this kind of report."""
+        """Raises TypeError or KeyError when ``data`` is not this kind of report, or of a schema
+        version this accumcheck does not read."""
+        version = data.get("schema_version")
+        if version == 1:
+            data = legacy.upgrade(data)
+        elif version != SCHEMA_VERSION:
+            raise TypeError(f"schema_version {version!r} is not one this accumcheck reads (1, {SCHEMA_VERSION})")
         return decode(cls, data)
