@@ -33,8 +33,8 @@ class Option:
     command-line name without dashes (``accum-steps``: ``--accum-steps`` on the command line,
     ``--accum-steps`` in pytest too, where every flag starts with ``--accum-``).
 
-    ``parse`` turns command-line text into a value (default: ``check`` of the text); ``check``
-    validates a value (default: any). ``switch`` options are booleans (``--oracle`` /
+    ``check`` validates a value, given as a Python value or as command-line text (default: any
+    value; ``choices`` are checked first). ``switch`` options are booleans (``--oracle`` /
     ``--no-oracle``). ``capability`` names the field of a backend's Capabilities that must admit a
     value other than the default; ``requires`` the options without which this one means nothing;
     ``one_framework`` refuses it when two frameworks are compared. ``pytest`` is "list" when the
@@ -47,7 +47,6 @@ class Option:
     help: str
     default: Any = None
     check: Check | None = None
-    parse: Callable[[str], Any] | None = None
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     switch: bool = False
@@ -76,7 +75,7 @@ class Option:
     def from_text(self, text: str) -> Any:
         """Command-line text as a value; raises argparse.ArgumentTypeError with the reason."""
         try:
-            return self.parse(text) if self.parse is not None else self.validate(text)
+            return self.validate(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -103,14 +102,6 @@ def _metavar(option: Option) -> str:
 
 
 # ----------------------------------------------------------------------------- value rules
-
-
-def integer(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            return int(value)
-        raise ValueError(f"{value!r} is not an integer")
-    return value
 
 
 def positive_int(value: Any) -> int:
