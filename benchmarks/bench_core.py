@@ -232,16 +232,20 @@ def _plain_ddp_rank(rank: int, world: int, folder: str, steps: int) -> None:
 
 
 def bench_data_parallel(steps: int, reps: int, world: int = 2) -> dict:
-    """compare(world_size=2) over the plain DDP job, both started the same way (torch.multiprocessing,
-    gloo, W ranks on this machine): what the per-micro-step all-reduce of manual, the float64 sums,
-    gathering every rank's view, the single-process reference and judging add."""
+    """compare(world_size=2) over the plain DDP job, both started the same way (torch.multiprocessing
+    with accumcheck's start method, gloo, W ranks on this machine): what the per-micro-step
+    all-reduce of manual, the float64 sums, gathering every rank's view, the single-process
+    reference and judging add."""
     import tempfile
 
     import torch.multiprocessing as mp
 
+    from accumcheck.frameworks.torch.distributed import _start_method
+
     def plain() -> None:
         with tempfile.TemporaryDirectory() as folder:
-            mp.start_processes(_plain_ddp_rank, args=(world, folder, steps), nprocs=world, start_method="spawn")
+            mp.start_processes(_plain_ddp_rank, args=(world, folder, steps), nprocs=world,
+                               start_method=_start_method())
 
     t = medians({
         "compare": lambda: accumcheck.compare(case=CASE, framework="torch", accum_steps=steps, world_size=world),
