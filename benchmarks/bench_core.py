@@ -19,8 +19,8 @@
 
 (d) mxnet      compare(framework="mxnet") over one plain grad_req='add' loop. Target <= 2.2.
 (e) data       compare(world_size=2) over a plain DDP job (no_sync for all but the last micro-step),
-    parallel   both spawned the same way (torch.multiprocessing, gloo, 2 ranks; spawning and importing
-               torch count in both). No target: it says what the data-parallel checks cost.
+    parallel   both started the same way (torch.multiprocessing with accumcheck's start method, gloo,
+               2 ranks). No target: it says what the data-parallel checks cost.
 
 Targets are informational: a MISS is printed, and the script still exits 0.
 
@@ -340,7 +340,7 @@ def main() -> int:
     if dp is not None:
         rows.append(("(e) data par.", f"compare --world-size {dp['world']} / plain DDP no_sync job, N={dp['steps']}",
                      dp["ratio"], "-", "",
-                     f"{dp['compare_s']:.2f} s / {dp['plain_s']:.2f} s (both spawn {dp['world']} ranks), "
+                     f"{dp['compare_s']:.2f} s / {dp['plain_s']:.2f} s (both start {dp['world']} ranks the same way), "
                      f"median of {dp['reps']}"))
     print()
     print(f"{'figure':<15} {'measures':<50} {'ratio':>7}  {'target':<8} {'':<4}  detail")
