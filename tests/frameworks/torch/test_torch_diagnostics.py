@@ -10,6 +10,9 @@ from accumcheck.errors import AccumcheckError
 
 torch = pytest.importorskip("torch")
 from accumcheck.diagnostics.torch import GradMonitor, dominance_report, named_parameters  # noqa: E402
+from simulated_device import SimulatedDevice  # noqa: E402
+
+from accumcheck.frameworks.torch import diagnostics as diagnostics_module  # noqa: E402
 
 
 def many_parameters(seed=0, scale=1.0):
@@ -200,26 +203,87 @@ def test_normal_steps_report_nothing_and_the_function_works_alone():
     assert len(report.entries) == 3 and sum(e.share for e in report.entries) <= 1.0
 
 
-def test_normal_steps_never_wait_for_the_device(monkeypatch):
-    """Count host synchronisations in the diagnostics path: .item(), .tolist(), .cpu()."""
+class Scalars:
+    def __init__(self):
+        self.values = []
+
+    def add_scalar(self, tag, value, step):
+        self.values.append((tag, value, step))
+
+
+class DeviceHostCopy(diagnostics_module._HostCopy):
+    """The CUDA path's transfer for the simulated device: a non-blocking copy, read on arrival."""
+
+    def __init__(self, tensor, payload):
+        self.payload, self.event = payload, None
+        self.host = tensor.to("cpu", non_blocking=True)
+
+
+def monitored_steps(monkeypatch, steps=12, **monitor_options):
+    """GradMonitor.clip_grad_norm_ over gradients on the simulated device, step by step; yields
+    (the device, the monitor, the step's host reads, the gradients torch clips on the CPU)."""
+    monkeypatch.setattr(diagnostics_module, "_HostCopy", DeviceHostCopy)
     model = Blocks(6)
-    monitor = GradMonitor(model, writer=None, log_every=10**9)
-    calls = []
-    for method in ("item", "tolist", "cpu"):
-        original = getattr(torch.Tensor, method)
-
-        def counted(self, *args, _name=method, _original=original, **kwargs):
-            calls.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, counted)
-    for step in range(20):
+    device = SimulatedDevice()
+    with device.active():
+        params = [(n, device.put(p.detach().clone()).requires_grad_()) for n, p in model.named_parameters()]
+    monitor = GradMonitor(params, **monitor_options)
+    for step in range(steps):
         model.zero_grad()
         backward(model, seed=step)
-        calls.clear()
-        monitor.clip_grad_norm_(1e9)
-        assert calls == [], f"step {step}: {calls}"
+        for (_, twin), p in zip(params, model.parameters()):
+            twin.grad = device.put(p.grad.clone())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        device.reads.clear()
+        with device.active():
+            monitor.clip_grad_norm_(0.5)
+        yield device, monitor, list(device.reads), [p.grad for p in model.parameters()], params
+
+
+@pytest.mark.parametrize("options", [dict(writer=None), dict(writer=Scalars(), log_every=1)],
+                         ids=["no-writer", "statistics-every-step"])
+def test_normal_steps_never_read_a_device_value_on_the_host(monkeypatch, options):
+    """Every operator that reads a device value on the host is seen (see simulated_device.py);
+    a normal step, with or without per-layer statistics, has none."""
+    for step, (device, monitor, reads, clipped, params) in enumerate(monitored_steps(monkeypatch, **options)):
+        assert reads == [], f"step {step}: {reads}"
+        for (name, twin), expected in zip(params, clipped):  # the simulated device computed the real clip
+            assert torch.equal(device.values(twin.grad), expected), name
     assert monitor.reports == []
+    if options["writer"] is not None:
+        assert len({step for _, _, step in options["writer"].values}) == 12
+
+
+HOST_READS = {
+    "float()": lambda t: float(t),
+    "bool()": lambda t: bool(t > 0),
+    ".item()": lambda t: t.item(),
+    ".tolist()": lambda t: t.tolist(),
+    '.to("cpu")': lambda t: t.to("cpu"),
+    ".cpu()": lambda t: t.cpu(),
+    ".numpy()": lambda t: t.numpy(),
+    "if t:": lambda t: 1 if t else 0,
+}
+
+
+@pytest.mark.parametrize("read", HOST_READS, ids=list(HOST_READS))
+def test_the_host_read_detector_sees_each_kind_of_read(monkeypatch, read):
+    """Negative control: one host read of the total norm slipped into the normal step is caught
+    (recorded, or refused outright for .numpy())."""
+    original = diagnostics_module.grad_norms
+
+    def reading(*args, **kwargs):
+        norms, total = original(*args, **kwargs)
+        HOST_READS[read](total)
+        return norms, total
+
+    monkeypatch.setattr(diagnostics_module, "grad_norms", reading)
+    try:
+        _, _, reads, _, _ = next(monitored_steps(monkeypatch, writer=None))
+    except TypeError as refused:  # a meta tensor cannot become a numpy array
+        assert "numpy" in str(refused)
+        return
+    assert reads, f"{read} in the normal step went unseen"
 
 
 @pytest.mark.gpu
