@@ -129,12 +129,12 @@ def test_accum_compare_saves_reports(pytester, tmp_path):
 
 
 @needs_torch
-def test_the_readme_example_test_file_runs(pytester):
+def test_the_docs_example_test_file_runs(pytester):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = re.search(r"```python\n(# test_accumulation\.py\n.*?)```", readme, flags=re.S).group(1)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "pytest.md").read_text()
+    example = re.search(r"```python\n(# test_accumulation\.py\n.*?)```", page, flags=re.S).group(1)
     pytester.makepyfile(test_accumulation=example)
     result = pytester.runpytest_subprocess("--accum-steps", "16,32")
     result.assert_outcomes(passed=2)
