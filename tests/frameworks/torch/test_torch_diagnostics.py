@@ -169,6 +169,7 @@ def test_a_huge_gradient_is_named_first_with_most_of_the_norm(caplog):
     model = Blocks(6)
     backward(model)
     model.layers[4].weight.grad.mul_(1e4)
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
     monitor = GradMonitor(model, clip_threshold=0.1)
     with caplog.at_level(logging.WARNING, logger="accumcheck.diagnostics"):
         monitor.clip_grad_norm_(1.0)
@@ -176,6 +177,13 @@ def test_a_huge_gradient_is_named_first_with_most_of_the_norm(caplog):
     assert len(reports) == 1
     first = reports[0].entries[0]
     assert first.name == "layers.4.weight" and first.share > 0.9
+    # the share is of the sum of squares, the norms those of the gradients before clipping
+    norms = {n: np.linalg.norm(g.astype(np.float64)) for n, g in grads.items()}
+    total = sum(v**2 for v in norms.values())
+    for entry in reports[0].entries:
+        assert entry.norm == pytest.approx(norms[entry.name], rel=1e-6)
+        assert entry.share == pytest.approx(norms[entry.name] ** 2 / total, rel=1e-5)
+    assert reports[0].total_norm == pytest.approx(np.sqrt(total), rel=1e-6)
     assert "clipping scale" in reports[0].reason
     assert "layers.4.weight" in caplog.text
 
