@@ -47,7 +47,7 @@ sys.exit(0 if any(e.value == "accumcheck.plugin" for e in m.entry_points(group="
 step pytest_gpu "$py" -m pytest "${plugin[@]}" -m gpu -q tests/frameworks --accum-device gpu
 step checks "$py" ci/gpu_check.py --out "$out/gpu_checks.json"
 step bench_core "$py" benchmarks/bench_core.py --device cuda --json "$out/bench_core.json"
-step bench_diagnostics "$py" benchmarks/bench_diagnostics.py --device cuda --steps 20 --reps 5
+step bench_diagnostics "$py" benchmarks/bench_diagnostics.py --device cuda --steps 20 --reps 5 --json "$out/bench_diagnostics.json"
 "$py" ci/gpu_check.py --summarize "$out" > "$out/gpu_summary.md" || status=1
 cat "$out/gpu_summary.md"
 exit $status
