@@ -13,11 +13,14 @@ pytestmark = needs_torch
 def test_adam_amplifies_a_valid_reordering_that_sgd_keeps_in_the_band():
     from accumcheck.api import train
 
-    adam = train("tiny-grads", steps=8, optimizer="adam", lr=1e-3, inject="roundoff")
-    sgd = train("tiny-grads", steps=8, optimizer="sgd", lr=1e-1, inject="roundoff")
+    adam = train("tiny-grads", steps=10, optimizer="adam", lr=1e-3, inject="roundoff")
+    sgd = train("tiny-grads", steps=10, optimizer="sgd", lr=1e-1, inject="roundoff")
+    # docs/trajectory.md: out of the band at step 0 under Adam, 10^5 ulps wide by step 9 ...
     assert adam.exit_code == 1 and "dense0.weight" in adam.first_out_of_band
-    assert max(adam.band_ratio["weight"]) > 1e3  # thousands of ulps apart within a few steps
-    assert sgd.exit_code == 0 and max(sgd.band_ratio["weight"]) <= 1.0
+    assert min(adam.first_out_of_band.values()) == 0
+    assert max(values[9] for values in adam.band_ratio.values()) >= 1e5
+    # ... while under SGD it stays within half an ulp
+    assert sgd.exit_code == 0 and max(max(values) for values in sgd.band_ratio.values()) <= 0.5
 
 
 def test_clean_torch_trajectories_are_identical():
