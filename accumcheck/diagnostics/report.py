@@ -54,9 +54,12 @@ def rank(names: list[str], norms: np.ndarray, top_k: int) -> list[tuple[int, flo
 
 
 def largest(grad: np.ndarray) -> tuple[list[int], float, int]:
-    """Where |grad| is largest (a non-finite element first), that value, and the non-finite count."""
+    """Where |grad| is largest (a non-finite element first), that value, and the non-finite count
+    (nowhere, 0.0 and 0 for a gradient without elements)."""
     flat = grad.reshape(-1)
+    if not flat.size:
+        return [], 0.0, 0
     bad = ~np.isfinite(flat)
-    index = int(np.argmax(bad)) if bad.any() else int(np.argmax(np.abs(flat))) if flat.size else 0
+    index = int(np.argmax(bad)) if bad.any() else int(np.argmax(np.abs(flat)))
     where = [int(i) for i in np.unravel_index(index, grad.shape)] if grad.shape else []
-    return where, float(flat[index]) if flat.size else 0.0, int(bad.sum())
+    return where, float(flat[index]), int(bad.sum())
