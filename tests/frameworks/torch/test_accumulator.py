@@ -73,3 +73,72 @@ def test_compensated_sum_is_within_one_ulp_where_the_theory_promises_it(base, ex
     u = 2.0**-24
     promised = (exact != 0) & (2 * len(micro) * u * absum <= 0.25 * np.abs(exact)) & (np.abs(exact) > 1e-37)
     assert np.all(np.abs(total - exact)[promised] <= ulp[promised])
+
+
+def _accumulate(grads, param_dtype=torch.float32, **kw):
+    """A GradAccumulator over one parameter fed ``grads`` (lists of floats), one micro-step each."""
+    param = torch.nn.Parameter(torch.zeros(len(grads[0]), dtype=param_dtype))
+    acc = GradAccumulator([param], **kw)
+    for g in grads:
+        param.grad = torch.tensor(g, dtype=param_dtype)
+        acc.add()
+    return acc, param
+
+
+def test_plain_mode_is_a_float32_running_sum_by_default():
+    # 1 + 2^-24 is a tie in float32 and rounds to the even 1.0, twice: the plain sum loses both.
+    acc, _ = _accumulate([[1.0], [2.0**-24], [2.0**-24]])
+    assert acc.compensated is False and acc.carries is None
+    assert acc.totals()[0].tolist() == [1.0] and acc.totals()[0].dtype == torch.float32
+
+
+def test_compensated_mode_keeps_what_each_addition_rounds_away():
+    acc, _ = _accumulate([[1.0], [2.0**-24], [2.0**-24]], compensated=True)
+    assert acc.compensated is True
+    assert acc.totals()[0].tolist() == [1.0 + 2.0**-23]  # the exact sum
+    assert acc.sums[0].tolist() == [1.0] and acc.carries[0].tolist() == [2.0**-23]
+    # Equal magnitudes add exactly: nothing is carried, whichever way the carry is taken.
+    acc, _ = _accumulate([[3.0, -3.0], [3.0, 3.0]], compensated=True)
+    assert acc.totals()[0].tolist() == [6.0, 0.0] and acc.carries[0].tolist() == [0.0, 0.0]
+
+
+def test_bfloat16_parameters_carry_in_float32():
+    # The carry 2^-24 + 2^-33 needs 10 significant bits (bfloat16 has 8); kept whole, it lifts the
+    # float32 total above the tie at 1 + 2^-24, to the exact sum's nearest float32.
+    acc, param = _accumulate([[1.0], [2.0**-24], [2.0**-33]], param_dtype=torch.bfloat16, compensated=True)
+    assert acc.sums[0].dtype == acc.carries[0].dtype == torch.float32
+    assert acc.carries[0].tolist() == [2.0**-24 + 2.0**-33]
+    assert acc.totals()[0].tolist() == [1.0 + 2.0**-23]
+    acc.apply()
+    assert param.grad.dtype == torch.bfloat16 and param.grad.tolist() == [1.0]  # 1 + 2^-23 in bfloat16
+    acc.zero()
+    assert acc.sums[0].tolist() == acc.carries[0].tolist() == acc.totals()[0].tolist() == [0.0]
+
+
+def test_a_buffer_dtype_rounds_each_micro_gradient_to_it_first():
+    # A bfloat16 buffer: 2^-8 + 2^-20 becomes 2^-8 before it is added, and 1 + 2^-8 ties to 1.0.
+    acc, _ = _accumulate([[1.0], [2.0**-8 + 2.0**-20]], dtype=torch.bfloat16)
+    assert acc.sums[0].dtype == torch.bfloat16 and acc.totals()[0].tolist() == [1.0]
+    acc, _ = _accumulate([[1.0], [2.0**-30]], dtype=torch.float64)
+    assert acc.totals()[0].dtype == torch.float64 and acc.totals()[0].tolist() == [1.0 + 2.0**-30]
+
+
+def test_parameters_without_a_gradient_or_frozen_are_left_alone():
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    acc = GradAccumulator([first, frozen, second])
+    assert acc.params == [first, second]
+    second.grad = torch.tensor([1.0, 2.0])
+    acc.add()  # first has no .grad this micro-step
+    assert second.grad is None
+    assert [t.tolist() for t in acc.totals()] == [[0.0, 0.0], [1.0, 2.0]]
+    acc.apply()
+    assert first.grad.tolist() == [0.0, 0.0] and second.grad.tolist() == [1.0, 2.0]
+    acc.zero()
+    assert [t.tolist() for t in acc.totals()] == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_a_module_gives_its_parameters():
+    model = torch.nn.Linear(3, 2)
+    acc = GradAccumulator(model)
+    assert [tuple(s.shape) for s in acc.sums] == [(2, 3), (2,)]
