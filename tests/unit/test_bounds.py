@@ -45,3 +45,28 @@ def test_one_step_has_nothing_to_round():
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="int8"):
         ModeBound.for_sum("int8", 4)
+
+
+def test_stages_clamp_negative_roundings_and_skip_a_stage_without_any():
+    # A stage of no roundings (one rank: an all-reduce of one term) adds nothing, even in bfloat16.
+    staged = ModeBound.for_stages([("float32", 3), ("bfloat16", 0), ("float32", -1)])
+    assert staged.roundings == 3 and staged.dtype == "float32"
+    assert staged.relative == pytest.approx(gamma(3, 2.0**-24) + gamma(3, 2.0**-53), rel=1e-9)
+    assert staged.absolute == 3 * 2.0**-126
+
+
+def test_a_float64_stage_covers_its_own_rounding_and_that_of_e():
+    staged = ModeBound.for_stages([("float64", 1)])
+    assert staged.relative >= 2 * gamma(1, 2.0**-53)
+    assert staged.absolute == 2.0**-1022
+
+
+def test_stages_refuse_an_unknown_dtype_by_name():
+    with pytest.raises(ValueError, match="no unit round-off known for dtype 'int8'"):
+        ModeBound.for_stages([("float32", 3), ("int8", 1)])
+
+
+def test_plus_adds_two_bounds_in_the_first_ones_dtype():
+    a = ModeBound("float32", 3, 0.5, 0.25, kernel_allowance=2.0, tensor=0.125)
+    b = ModeBound("bfloat16", 5, 0.25, 0.5, tensor=0.0625)
+    assert a.plus(b) == ModeBound("float32", 0, 0.75, 0.75, kernel_allowance=0.0, tensor=0.1875)

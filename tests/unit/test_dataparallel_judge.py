@@ -2,6 +2,8 @@
 bounds (positive control), and a wrong rank, a rank holding another gradient, or a reference that
 differs must be flagged (negative controls)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -12,8 +14,8 @@ from accumcheck.bounds import ModeBound, gamma
 from accumcheck.casefile import builtin_case
 from accumcheck.faults import round_to_bfloat16
 from accumcheck.judge import build_report
-from accumcheck.judge.dataparallel import bounds_for
-from accumcheck.report import DataParallelSetup
+from accumcheck.judge.dataparallel import DataParallelBounds, RankChecks, bounds_for, check_tensor, summarise
+from accumcheck.report import DataParallelSetup, SingleProcessAgreement
 
 F32 = np.float32
 
@@ -182,3 +184,83 @@ def test_the_bounds_are_tight_enough_to_catch_a_coarse_all_reduce_and_a_lost_mic
     assert np.any(err > b.reference.relative * absum + b.reference.absolute)  # a float32 all-reduce would not
     lost = _sum32([(_sum32(g[r, 1:], range(15)) / F32(2)).astype(F32) for r in range(2)], [0, 1])
     assert np.any(np.abs(lost - exact) > b.native.relative * absum + b.native.absolute)
+
+
+# ----------------------------------------------------------------------------- by hand: exact ratios
+
+QUARTER = ModeBound("float32", 1, 0.25, 0.0)  # |x - E| <= S / 4
+EXACT = DataParallelBounds(native=QUARTER, manual=QUARTER, single_process=QUARTER, rank=QUARTER, reference=None)
+
+
+def test_the_power_of_two_test_and_the_cast_into_a_narrower_reduce_dtype():
+    one = bounds_for("float32", "float32", 16, 1, "float32")
+    assert one.native.roundings == 15 and one.single_process.roundings == 15  # one rank: nothing to reduce
+    narrow = bounds_for("float32", "float32", 16, 3, "bfloat16")
+    assert narrow.native.roundings == 15 + 2 + 1 + 1  # the all-reduce, the cast to bfloat16, the division
+    assert narrow.reference.roundings == 15 + 2 + 1  # the same all-reduce in float32: no cast
+    assert narrow.manual.roundings == 2 + 1 + 15
+
+
+def rank(r, local, exact, absum, final):
+    return RankAccumulation(r, f"host{r}", {"w": np.asarray(local, F32)}, {"w": np.asarray(exact, float)},
+                            {"w": np.asarray(absum, float)}, {"w": np.asarray(final, F32)})
+
+
+def test_check_tensor_figures_and_candidates():
+    exact, absum = np.array([8.0, 8.0]), np.array([4.0, 8.0])
+    # native 1 from E at S = 4: ratio 1 against the native bound; one process 1.5 from E at S = 4.
+    p = ParamAccumulation("w", "weight", np.array([9.0, 8.0], F32), np.array([8.0, 8.0], F32), exact, absum,
+                          reference=np.array([6.5, 8.0], F32))
+    ranks = [rank(0, [9.0, 8.0], exact, absum, [9.0, 8.0]),  # its own total: ratio 1 at element 0
+             rank(1, [8.0, 8.0], exact, absum, [9.0, 8.0])]
+    c = check_tensor(p, ranks, EXACT)
+    assert c.figures["single_ratio"] == 1.5
+    assert c.figures["single_agreement"] == 2.5 / 2.0  # |9 - 6.5| over the two bounds together, S/2
+    assert c.figures["rank_local_ratios"] == [1.0, 0.0] and c.figures["rank_final_ratios"] == [1.0, 1.0]
+    assert c.flagged_ranks == [] and c.ranks_identical
+    assert [(k.mode, k.ratio, k.flat_index) for k in c.candidates] == [
+        ("single-process", 1.5, 0), ("native vs single-process", 1.25, 0), ("rank 0", 1.0, 0), ("rank 1", 0.0, 0)]
+    agree = c.candidates[1]
+    assert agree.absum is p.absum and agree.bound == QUARTER.plus(QUARTER)
+    assert c.candidates[0].bound == QUARTER and c.candidates[2].absum is ranks[0].absum["w"]
+
+
+def test_a_rank_is_named_past_its_bound_or_alone_past_the_final_one():
+    exact, absum = np.array([8.0]), np.array([4.0])
+    p = ParamAccumulation("w", "weight", np.array([8.0], F32), np.array([8.0], F32), exact, absum)
+    own = [rank(0, [9.5], exact, absum, [8.0]), rank(1, [9.0], exact, absum, [8.0])]  # ratios 1.5 and 1
+    assert check_tensor(p, own, EXACT).flagged_ranks == [0]
+    alone = [rank(0, [8.0], exact, absum, [9.5]), rank(1, [8.0], exact, absum, [9.0])]  # final: 1.5 and 1
+    checked = check_tensor(p, alone, EXACT)
+    assert checked.flagged_ranks == [0] and not checked.ranks_identical
+    everyone = [rank(0, [8.0], exact, absum, [9.5]), rank(1, [8.0], exact, absum, [9.5])]
+    assert check_tensor(p, everyone, EXACT).flagged_ranks == []  # a wrong average is no one rank's
+
+
+def test_ranks_holding_the_same_nan_hold_the_same_gradient():
+    exact, absum = np.array([8.0, 8.0]), np.array([4.0, 4.0])
+    p = ParamAccumulation("w", "weight", np.array([8.0, 8.0], F32), np.array([8.0, 8.0], F32), exact, absum)
+    ranks = [rank(r, [8.0, 8.0], exact, absum, [np.nan, 8.0]) for r in range(2)]
+    assert check_tensor(p, ranks, EXACT).ranks_identical
+
+
+def tensor(name, flagged_ranks, single_agreement=None):
+    return SimpleNamespace(name=name, flagged_ranks=flagged_ranks, single_agreement=single_agreement)
+
+
+def test_summarise_names_each_rank_and_the_worst_single_process_agreement():
+    setup = DataParallelSetup(world_size=2, backend="gloo", launcher="test", reduce_dtype="float32",
+                              find_unused_parameters=False, hosts=["host0", "host1"], fault_rank=None, native="-",
+                              manual="-", reference="-", micro_batches="-")
+    ranks = [rank(0, [0.0], [0.0], [0.0], [0.0]), rank(1, [0.0], [0.0], [0.0], [0.0])]
+    same = RankChecks({"flagged_ranks": []})
+    result = summarise(setup, ranks, [tensor("a", [1], 0.5), tensor("b", [], 1.0), tensor("c", None)], [same] * 3)
+    assert result.setup is setup
+    assert [(v.rank, v.host, v.flagged) for v in result.ranks] == [(0, "host0", []), (1, "host1", ["a"])]
+    assert not result.ranks_agree and result.final_identical
+    assert result.single_process == SingleProcessAgreement(worst_agreement=1.0, worst_tensor="b", agree=True)
+    result = summarise(setup, ranks, [tensor("a", [0, 1], 1.5)], [RankChecks({}, ranks_identical=False)])
+    assert result.ranks_agree is False and result.final_identical is False
+    assert result.single_process == SingleProcessAgreement(1.5, "a", False)
+    result = summarise(setup, ranks, [tensor("a", [])], [same])
+    assert result.ranks_agree and result.single_process == SingleProcessAgreement(0.0, "", True)

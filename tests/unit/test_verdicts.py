@@ -1,0 +1,186 @@
+"""accumcheck.judge.verdicts: each verdict at its boundary, and everything build_report records
+from a run (framework-free: RunResults made by hand)."""
+
+import datetime as dt
+import hashlib
+
+import numpy as np
+
+from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
+from accumcheck.bounds import ModeBound
+from accumcheck.casefile import builtin_case
+from accumcheck.faults import Fault
+from accumcheck.judge import build_report, compare_tensor
+from accumcheck.judge.dataparallel import Candidate, RankChecks
+from accumcheck.report import FullBatchResult
+from accumcheck.version import __version__
+
+F32 = np.float32
+QUARTER = ModeBound("float32", 1, 0.25, 0.0)  # |x - E| <= S / 4: ratios come out exact
+
+
+def judge(native, exact, absum, manual=None, bound=QUARTER, **kw):
+    native = np.asarray(native, F32)
+    manual = native.copy() if manual is None else np.asarray(manual, F32)
+    return compare_tensor("t", "bias", native, manual, np.asarray(exact, float), np.asarray(absum, float), bound,
+                          bound, **kw)
+
+
+def test_a_ratio_of_exactly_one_is_round_off_and_above_it_diverged():
+    at = judge([9.0], [8.0], [4.0], manual=[8.0])  # 1 from E, the bound S/4 = 1
+    assert (at.ratio, at.verdict, at.kind, at.worst_mode) == (1.0, "round-off", "bias", "native")
+    assert at.bound_at_worst == 1.0 and at.over_bound_native == 0
+    past = judge([9.5], [8.0], [4.0], manual=[8.0])
+    assert (past.ratio, past.verdict, past.over_bound_native) == (1.5, "diverged", 1)
+
+
+def test_precision_loss_is_native_within_its_bound_beyond_the_reference_one():
+    reference = ModeBound("float32", 1, 2.0**-4, 0.0)
+    # Both modes 1/8 from E = 8 at S = 1: within S/4, twice S/16.
+    lost = judge([8.125], [8.0], [1.0], reference_bound=reference)
+    assert (lost.ratio, lost.precision_ratio, lost.verdict) == (0.5, 2.0, "precision-loss")  # identical, but lost
+    # Exactly at the reference bound, and 1.5 times it.
+    assert judge([8.0625], [8.0], [1.0], reference_bound=reference).verdict == "identical"
+    assert judge([8.09375], [8.0], [1.0], reference_bound=reference).verdict == "precision-loss"
+    # Without a reference bound nothing is a loss of precision, and no precision figures are made.
+    plain = judge([8.125], [8.0], [1.0])
+    assert plain.verdict == "identical" and plain.precision_ratio is None and plain.err_ulps_native is None
+
+
+def test_ill_conditioned_from_a_condition_of_exactly_100_and_never_for_non_finite():
+    assert judge([1.0], [1.0], [100.0]).ill_conditioned
+    assert not judge([1.0], [1.0], [99.0]).ill_conditioned
+    # The condition of the finite elements is 100, but a non-finite tensor is just non-finite.
+    bad = judge([1.0, np.inf], [1.0, 1.0], [100.0, 1.0])
+    assert bad.verdict == "non-finite" and not bad.ill_conditioned
+
+
+def checks(*candidates, flagged=()):
+    return RankChecks({"flagged_ranks": list(flagged)}, list(candidates))
+
+
+def test_a_data_parallel_check_past_its_bound_makes_the_tensor_diverge_and_is_pointed_at():
+    absum = np.array([[4.0, 8.0], [12.0, 16.0]])
+    bound = ModeBound("float32", 3, 2.0**-3, 2.0**-10)
+    fine = judge(np.full((2, 2), 8.0), np.full((2, 2), 8.0), absum, parallel=checks())
+    assert (fine.verdict, fine.worst_mode, fine.flagged_ranks) == ("identical", "native", [])
+    at_one = judge(np.full((2, 2), 8.0), np.full((2, 2), 8.0), absum,
+                   parallel=checks(Candidate(1.0, "rank 1", 2, absum, bound)))
+    assert at_one.verdict == "identical" and at_one.ratio == 1.0 and at_one.worst_mode == "rank 1"
+    past = judge(np.full((2, 2), 8.0), np.full((2, 2), 8.0), absum,
+                 parallel=checks(Candidate(0.5, "rank 0", 0, absum, bound), Candidate(1.5, "rank 1", 2, absum, bound)))
+    assert (past.verdict, past.ratio, past.worst_mode, past.worst_index) == ("diverged", 1.5, "rank 1", [1, 0])
+    assert past.bound_at_worst == 2.0**-3 * 12.0 + 2.0**-10
+
+
+def test_a_data_parallel_check_no_worse_than_the_tensor_leaves_its_worst_alone():
+    tied = judge([9.0], [8.0], [4.0], manual=[8.0], parallel=checks(Candidate(1.0, "rank 0", 0, np.array([4.0]),
+                                                                              QUARTER)))
+    assert (tied.ratio, tied.worst_mode, tied.verdict) == (1.0, "native", "round-off")
+
+
+def test_data_parallel_flags_do_not_hide_a_worse_verdict():
+    flagged = checks(Candidate(1.5, "rank 0", 0, np.array([1.0]), QUARTER), flagged=[0])
+    assert judge([np.nan], [8.0], [1.0], parallel=flagged).verdict == "non-finite"
+    reference = ModeBound("float32", 1, 2.0**-4, 0.0)
+    lost = judge([8.125], [8.0], [1.0], reference_bound=reference, parallel=checks(
+        Candidate(1.5, "rank 0", 0, np.array([1.0]), QUARTER)))
+    assert lost.verdict == "precision-loss" and lost.worst_mode == "rank 0"
+    assert judge([8.0], [8.0], [1.0], parallel=checks(flagged=[1])).verdict == "diverged"
+
+
+# ----------------------------------------------------------------------------- build_report
+
+
+def param(name, exact, native=None, kind="weight", absum=None, oracle=None, manual=None):
+    exact = np.asarray(exact, float)
+    native = exact.astype(F32) if native is None else np.asarray(native, F32)
+    manual = native.copy() if manual is None else np.asarray(manual, F32)
+    absum = np.abs(exact) if absum is None else np.asarray(absum, float)
+    return ParamAccumulation(name, kind, native, manual, exact, absum,
+                             oracle=None if oracle is None else np.asarray(oracle, float))
+
+
+def run_of(*params, dtype="float32", **kw):
+    return RunResult(params=list(params), framework="torch", versions={"torch": "2.13.0"}, device="cpu",
+                     param_dtype=dtype, accum_dtype="float32", **kw)
+
+
+def test_the_report_records_the_case_the_run_and_the_options():
+    case = builtin_case("shared-weight").with_seed(7)
+    run = run_of(param("w", [3.0, 4.0], oracle=[3.0, 4.5]), param("b", [1.0], kind="bias"),
+                 native_kernel_allowance=4.0, losses={"native": 0.5}, settings={"threads": 1}, notes=["a note"],
+                 full_batch=FullBatchGap("mean", "1/N", 1e-9, "w"))
+    config = {"case": "shared-weight", "accum_steps": 4}
+    before = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    report = build_report(case, run, 4, Fault("scale", "w", 2), True, 1.23456, config)
+    assert (report.case, report.case_source, report.case_fingerprint, report.case_toml) == (
+        case.name, case.source, case.fingerprint(), case.text)
+    assert (report.framework, report.device, report.param_dtype, report.accum_dtype) == ("torch", "cpu", "float32",
+                                                                                         "float32")
+    assert report.versions == {"accumcheck": __version__, "torch": "2.13.0"}
+    assert (report.accum_steps, report.seed, report.oracle, report.inject) == (4, 7, True, "scale:w@2")
+    assert report.bound == {"native": vars(ModeBound.for_sum("float32", 4, 4.0)),
+                            "manual": vars(ModeBound.for_sum("float32", 4))}
+    assert report.bound["native"]["kernel_allowance"] == 4.0
+    assert (report.loss_reduction, report.settings, report.losses, report.notes) == (
+        "mean", {"threads": 1}, {"native": 0.5}, ["a note"])
+    assert report.seconds == 1.235 and report.config == config
+    created = dt.datetime.fromisoformat(report.created)
+    assert created.utcoffset() == dt.timedelta(0) and created.microsecond == 0
+    assert before <= created <= dt.datetime.now(dt.timezone.utc)
+    assert report.full_batch == FullBatchResult("mean", "1/N", 1e-9, "w", True, 1e-9)  # at the tolerance: same
+    assert report.data_parallel is None
+    w, b = report.tensors
+    assert (w.name, w.kind, b.name, b.kind) == ("w", "weight", "b", "bias")
+    assert (w.oracle_err_native, w.oracle_err_exact, b.oracle_err_native) == (0.5, 0.5, None)
+
+
+def test_a_user_model_report_names_the_model():
+    report = build_report(None, run_of(param("w", [1.0])), 2, None, False, 0.0, {"model": "MyNet"})
+    assert (report.case, report.case_source, report.seed, report.case_toml) == ("MyNet", "<user model MyNet>", -1, "")
+    assert report.case_fingerprint == hashlib.sha256(b"").hexdigest()[:12]
+    assert (report.inject, report.oracle, report.loss_reduction, report.config) == (None, False, "", {"model": "MyNet"})
+    anonymous = build_report(None, run_of(param("w", [1.0])), 2, None, False, 0.0)
+    assert (anonymous.case, anonymous.case_source, anonymous.config) == ("model", "<user model model>", {})
+
+
+def test_a_full_batch_gap_past_the_tolerance_is_not_equivalent():
+    run = run_of(param("w", [1.0]), full_batch=FullBatchGap("sum", "1", 2e-9, "w"))
+    report = build_report(builtin_case("shared-weight"), run, 2, None, False, 0.0)
+    assert report.full_batch == FullBatchResult("sum", "1", 2e-9, "w", False, 1e-9)
+
+
+def test_each_tensor_gets_its_share_of_the_sum_of_squares():
+    report = build_report(None, run_of(param("a", [0.5]), param("b", [0.25, 0.25])), 2, None, False, 0.0)
+    assert [t.norm_share for t in report.tensors] == [2 / 3, 1 / 3]  # 0.25 and 0.125 of 0.375
+    zero = build_report(None, run_of(param("a", [0.0]), param("b", [0.0, 0.0])), 2, None, False, 0.0)
+    assert [t.norm_share for t in zero.tensors] == [0.0, 0.0]
+
+
+def test_ratio_maps_for_the_three_tensors_nearest_their_bound():
+    # Native 1 against E = 1 + 2^-24 in each tensor: the ratio falls as S grows.
+    tensors = [param(f"t{i}", [1.0 + 2.0**-24], native=[1.0], absum=[s]) for i, s in enumerate([16, 2, 8, 4, 32])]
+    report = build_report(None, run_of(*tensors), 2, None, False, 0.0)
+    assert not any(t.flagged for t in report.tensors)
+    assert [t.name for t in report.tensors if t.ratio_map is not None] == ["t1", "t2", "t3"]
+    t1 = report.tensors[1]
+    assert t1.ratio_map == [[t1.ratio]] and t1.ratio_map_cell == [1, 1]
+
+
+def test_ratio_maps_for_every_flagged_tensor_but_a_non_finite_one():
+    tensors = [param(f"d{i}", [1.0], native=[1.5 + i], manual=[1.0]) for i in range(4)]
+    tensors.append(param("inf", [1.0], native=[np.inf], manual=[1.0]))
+    report = build_report(None, run_of(*tensors), 2, None, False, 0.0)
+    assert all(t.flagged for t in report.tensors)
+    assert [t.ratio_map is not None for t in report.tensors] == [True, True, True, True, False]
+
+
+def test_errors_in_ulps_only_for_an_accumulator_mode_or_reduced_parameters():
+    def ulps(config=None, dtype="float32"):
+        report = build_report(None, run_of(param("w", [1.0]), dtype=dtype), 4, None, False, 0.0, config)
+        return report.tensors[0].err_ulps_native, report.tensors[0].precision_ratio
+
+    assert ulps() == ulps({"mode": "native"}) == ulps(dtype="float64") == (None, None)
+    assert ulps({"mode": "compensated"}) == (0.0, None)
+    assert ulps(dtype="bfloat16") == (0.0, 0.0)
