@@ -203,11 +203,10 @@ def tensor_figures(
     out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s,
                               native_bound.relative, native_bound.floor(s_rms), manual_bound.relative,
                               manual_bound.floor(s_rms), rtol, atol, chunks)
-    total = out.sum(axis=0)
-    peak = out.max(axis=0) if len(out) else np.zeros(_NSTATS)
+    total, peak = out.sum(axis=0), out.max(axis=0)  # one row per chunk, and at least one chunk
 
     def arg(column: int, which: int) -> int:
-        return int(where[int(np.argmax(out[:, column])), which]) if len(out) else -1
+        return int(where[int(np.argmax(out[:, column])), which])
 
     ratio_a, ratio_b = float(peak[_RATIO_A]), float(peak[_RATIO_B])
     worst_mode = "native" if ratio_a >= ratio_b else "manual"

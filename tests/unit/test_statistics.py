@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from accumcheck.bounds import ModeBound
-from accumcheck.judge import ILL_CONDITIONED, compare_tensor
+from accumcheck.judge import ILL_CONDITIONED, compare_tensor, statistics
 
 F32 = np.float32
 U = 2.0**-24
@@ -172,3 +172,111 @@ def test_negative_control_a_dropped_micro_step_is_flagged(scale):
     r = judge(dropped, backward, exact, absum, steps=64)
     assert r.verdict == "diverged" and r.worst_mode == "native" and r.nearer == "manual"
     assert r.ratio > 100
+
+
+# ------------------------------------------------------------------ the figures, one by one
+
+QUARTER = ModeBound("float32", 1, 0.25, 0.0)  # |x - E| <= S / 4: ratios come out exact
+HALF = ModeBound("float32", 1, 0.5, 0.0)
+
+
+def test_the_pass_runs_over_chunks_of_65536_elements(monkeypatch):
+    chunks = []
+    kernel = statistics._chunk_stats
+
+    def recording(*args):
+        chunks.append(args[-1])
+        return kernel(*args)
+
+    monkeypatch.setattr(statistics, "_chunk_stats", recording)
+    for n in (0, 1, 65536, 65537, 3 * 65536 + 5):
+        x = np.ones(n, F32)
+        assert judge(x, x, x, x).verdict == "identical"
+    assert chunks == [1, 1, 1, 2, 4]
+
+
+def test_an_empty_tensor_has_nothing_to_point_at():
+    bound = ModeBound.for_sum("float32", 4)
+    r = judge(np.zeros(0, F32), np.zeros(0, F32), [], [], steps=4, reference_bound=bound, ulps=True)
+    assert (r.verdict, r.numel, r.worst_index, r.max_abs_diff_index, r.ratio) == ("identical", 0, [], [], 0.0)
+    assert (r.precision_ratio, r.err_ulps_native, r.err_ulps_manual, r.condition) == (0.0, 0.0, 0.0, 1.0)
+    assert r.bound_at_worst == bound.at(0.0)
+
+
+def test_the_mode_further_from_its_bound_is_the_worst_one():
+    # native 1/2 from E against S/4 = 1 (ratio 1/2); manual 3/2 from E against S/2 = 2 (3/4), elsewhere.
+    r = compare_tensor("t", "weight", np.array([8.5, 8.0], F32), np.array([8.0, 9.5], F32), np.array([8.0, 8.0]),
+                       np.array([4.0, 4.0]), QUARTER, HALF)
+    assert (r.ratio_native, r.ratio_manual, r.ratio, r.worst_mode) == (0.5, 0.75, 0.75, "manual")
+    assert r.worst_index == [1] and r.bound_at_worst == 2.0
+    # A tie goes to native, at native's place and bound.
+    tie = compare_tensor("t", "weight", np.array([9.0, 8.0], F32), np.array([8.0, 10.0], F32), np.array([8.0, 8.0]),
+                         np.array([4.0, 4.0]), QUARTER, HALF)
+    assert (tie.ratio, tie.worst_mode, tie.worst_index, tie.bound_at_worst) == (1.0, "native", [0], 1.0)
+
+
+def test_native_and_manual_of_different_widths_are_compared_in_the_wider():
+    r = judge(np.array([1.0, 2.0], np.float16), np.array([1.0 + 2.0**-23, 2.0], F32), [1.0, 2.0], [1.0, 2.0])
+    assert r.dtype == "float32" and r.max_ulps == 1.0 and r.mismatched == 1
+    counts = judge(np.array([1, 2], np.int8), np.array([1, 2], np.int8), [1.0, 2.0], [1.0, 2.0])
+    assert counts.dtype == "float32" and counts.verdict == "identical"  # no float of their own: float32
+
+
+def test_e_and_s_are_read_in_float64():
+    # E = 1 + 2^-23 given in float32: its square needs float64.
+    r = judge(np.array([1.0 + 2.0**-23], F32), np.array([1.0 + 2.0**-23], F32), np.array([1.0 + 2.0**-23], F32),
+              np.array([1.0], F32))
+    assert r.grad_sum_sq == (1.0 + 2.0**-23) ** 2
+
+
+def test_sizes_that_differ_are_refused_by_name():
+    with pytest.raises(ValueError) as error:
+        judge(np.zeros(2, F32), np.zeros(2, F32), np.zeros(3), np.zeros(2))
+    assert str(error.value) == "t: native, manual, exact and absum differ in size (2, 2, 3, 2)"
+
+
+def test_classic_tolerances_follow_the_bound_s_dtype_else_the_arrays():
+    x = np.ones(2, F32)
+    bf16 = compare_tensor("t", "weight", x, x, x, x, ModeBound.for_sum("bfloat16", 2), ModeBound.for_sum("float32", 2))
+    assert (bf16.classic_rtol, bf16.classic_atol) == (1.6e-2, 1e-5)
+    custom = compare_tensor("t", "weight", x, x, x, x, ModeBound("custom", 1, 0.25, 0.0), QUARTER)
+    assert (custom.classic_rtol, custom.classic_atol) == (1.3e-6, 1e-5)
+
+
+def test_figures_without_ulps_unless_asked():
+    x = np.ones(2, F32)
+    figures = statistics.tensor_figures("t", "weight", x, x, x, x, QUARTER, QUARTER)
+    assert "err_ulps_native" not in figures and "precision_ratio" not in figures
+    assert statistics.tensor_figures("t", "weight", x, x, x, x, QUARTER, QUARTER, ulps=True)["err_ulps_native"] == 0.0
+
+
+def test_errors_in_float32_ulps_of_e_or_of_the_mean_term_where_e_cancels():
+    bound = ModeBound.for_sum("float32", 4)  # 3 roundings: the mean term is S / 4
+    # E = 0 (cancelled) at S = 8: ulps of 2.0f = 2^-22. E = 3 = S: ulps of 3.0f = 2^-22 too.
+    r = compare_tensor("t", "weight", np.array([2.0**-20, 3.0 + 2.0**-21], F32), np.array([0.0, 3.0], F32),
+                       np.array([0.0, 3.0]), np.array([8.0, 3.0]), bound, bound, ulps=True)
+    assert (r.err_ulps_native, r.err_ulps_manual) == (4.0, 0.0)
+    # E = 1 + 2^-24 is a float32 tie: 1.0f, whose ulp is 2^-23; native 1 is half an ulp away.
+    half = compare_tensor("t", "weight", np.array([1.0], F32), np.array([1.0 + 2.0**-23], F32),
+                          np.array([1.0 + 2.0**-24]), np.array([1.0]), bound, bound, reference_bound=QUARTER)
+    assert (half.err_ulps_native, half.err_ulps_manual) == (0.5, 0.5)
+    assert half.precision_ratio == 2.0**-24 / 0.25
+
+
+def test_a_kernel_allowance_scales_with_the_rms_of_s():
+    native_bound = ModeBound.for_sum("float32", 2, kernel_allowance=4.0)
+    plain = ModeBound.for_sum("float32", 2)
+    r = compare_tensor("t", "weight", np.array([8.0, 8.0 + 2.0**-20], F32), np.array([8.0, 8.0], F32),
+                       np.array([8.0, 8.0]), np.array([3.0, 4.0]), native_bound, plain)
+    s_rms = math.sqrt((9.0 + 16.0) / 2)
+    assert r.worst_mode == "native" and r.worst_index == [1]
+    assert r.bound_at_worst == native_bound.relative * 4.0 + native_bound.absolute + native_bound.tensor * s_rms
+    assert r.ratio == pytest.approx(2.0**-20 / r.bound_at_worst, rel=1e-12)
+
+
+def test_a_huge_s_needs_no_rms_without_a_kernel_allowance():
+    # float64 sums near 1e200: S_rms would overflow, and no bound asks for it.
+    bound = ModeBound.for_sum("float64", 2)
+    r = compare_tensor("t", "weight", np.array([1e200 * (1 + 2.0**-40)]), np.array([1e200]), np.array([1e200]),
+                       np.array([1e200]), bound, bound)
+    assert r.verdict == "diverged" and math.isfinite(r.bound_at_worst)
