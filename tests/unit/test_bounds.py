@@ -70,3 +70,14 @@ def test_plus_adds_two_bounds_in_the_first_ones_dtype():
     a = ModeBound("float32", 3, 0.5, 0.25, kernel_allowance=2.0, tensor=0.125)
     b = ModeBound("bfloat16", 5, 0.25, 0.5, tensor=0.0625)
     assert a.plus(b) == ModeBound("float32", 0, 0.75, 0.75, kernel_allowance=0.0, tensor=0.1875)
+
+
+def test_for_sum_records_its_dtype_and_kernel_allowance():
+    u = 2.0**-24
+    assert ModeBound.for_sum("float32", 32, kernel_allowance=4.0) == ModeBound(
+        "float32", 31, gamma(31, u) + gamma(31, 2.0**-53) + 4 * u, 31 * 2.0**-126, kernel_allowance=4.0, tensor=4 * u)
+
+
+def test_at_without_an_rms_of_s_adds_no_tensor_allowance():
+    bound = ModeBound("float32", 1, 0.25, 0.5, tensor=2.0)
+    assert bound.at(4.0) == 1.5 and bound.at(4.0, 1.0) == 3.5

@@ -180,6 +180,11 @@ QUARTER = ModeBound("float32", 1, 0.25, 0.0)  # |x - E| <= S / 4: ratios come ou
 HALF = ModeBound("float32", 1, 0.5, 0.0)
 
 
+def quartered(native, manual, exact, absum, **kw):
+    return compare_tensor("t", "weight", np.asarray(native, F32), np.asarray(manual, F32), np.asarray(exact, float),
+                          np.asarray(absum, float), QUARTER, QUARTER, **kw)
+
+
 def test_the_pass_runs_over_chunks_of_65536_elements(monkeypatch):
     chunks = []
     kernel = statistics._chunk_stats
@@ -280,3 +285,55 @@ def test_a_huge_s_needs_no_rms_without_a_kernel_allowance():
     r = compare_tensor("t", "weight", np.array([1e200 * (1 + 2.0**-40)]), np.array([1e200]), np.array([1e200]),
                        np.array([1e200]), bound, bound)
     assert r.verdict == "diverged" and math.isfinite(r.bound_at_worst)
+
+
+def test_the_bound_at_the_worst_element_is_at_its_s_and_at_s_0_where_nothing_is_off():
+    exact = quartered(np.array([8.0, 8.0], F32), np.array([8.0, 8.0], F32), [8.0, 8.0], [4.0, 8.0])
+    assert (exact.ratio, exact.worst_index, exact.bound_at_worst) == (0.0, [], 0.0)
+    off = quartered(np.array([8.0, 10.0], F32), np.array([8.0, 8.0], F32), [8.0, 8.0], [4.0, 8.0])
+    assert (off.ratio, off.worst_index, off.bound_at_worst) == (1.0, [1], 2.0)
+
+
+def test_non_finite_counts_from_either_mode_or_e():
+    # Both modes infinite at the same element agree there, and are still non-finite.
+    both = judge(np.array([np.inf, 1.0], F32), np.array([np.inf, 1.0], F32), [1.0, 1.0], [1.0, 1.0])
+    assert both.verdict == "non-finite" and (both.nonfinite_native, both.nonfinite_manual) == (1, 1)
+    assert both.mismatched == 0
+    # Native and E infinite at the same element.
+    with_e = judge(np.array([np.inf, 1.0], F32), np.array([1.0, 1.0], F32), [np.inf, 1.0], [np.inf, 1.0])
+    assert with_e.verdict == "non-finite" and with_e.mismatched == 1
+    assert judge(np.ones(2, F32), np.ones(2, F32), [1.0, np.nan], [1.0, 1.0]).verdict == "non-finite"
+
+
+def test_condition_of_a_sum_that_cancels_to_zero():
+    assert judge(np.zeros(1, F32), np.zeros(1, F32), [0.0], [0.5]).condition == math.inf
+    assert judge(np.zeros(1, F32), np.zeros(1, F32), [0.0], [0.0]).condition == 1.0
+    assert judge(np.ones(2, F32), np.ones(2, F32), [1.0, -1.0], [3.0, 3.0]).condition == 3.0
+
+
+def test_relative_errors_in_the_2_norm_of_e():
+    r = quartered(np.array([3.5, 4.0], F32), np.array([3.0, 4.0], F32), [3.0, 4.0], [4.0, 4.0])
+    assert (r.rel_err_native, r.rel_err_manual, r.nearer) == (0.1, 0.0, "manual")
+    assert (r.numel, r.diff_ratio) == (2, 0.5 / 2.0)  # |A - B| over the two bounds, S/4 each
+    small = quartered(np.array([0.75], F32), np.array([0.5], F32), [0.5], [4.0])
+    assert (small.rel_err_native, small.rel_err_manual, small.nearer) == (0.5, 0.0, "manual")
+    zero = quartered(np.array([2.0**-10, 0.0], F32), np.zeros(2, F32), [0.0, 0.0], [1.0, 1.0])
+    assert (zero.rel_err_native, zero.rel_err_manual, zero.nearer) == (math.inf, 0.0, "manual")
+    nearer = quartered(np.array([3.0], F32), np.array([3.5], F32), [3.0], [4.0])
+    assert nearer.nearer == "native"
+
+
+def test_the_largest_difference_is_located_apart_from_the_worst_ratio():
+    # Element 0: native 1 from E at S = 1 (ratio 4). Element 1: the modes 2 apart at S = 64 (ratio 1/8).
+    r = quartered(np.array([9.0, 10.0], F32), np.array([8.0, 8.0], F32), [8.0, 8.0], [1.0, 64.0])
+    assert (r.worst_index, r.max_abs_diff_index, r.max_abs_diff) == ([0], [1], 2.0)
+
+
+def test_oracle_errors_in_float64_of_any_shape_and_of_an_empty_tensor():
+    native = np.array([[1e8, 1.0], [2.0, 3.0]], F32)
+    r = judge(native, native.copy(), native.astype(np.float64), np.abs(native.astype(np.float64)),
+              oracle=np.array([[1.0, 1.0], [2.0, 3.0]], F32))
+    assert r.oracle_err_native == r.oracle_err_manual == r.oracle_err_exact == 99999999.0
+    empty = judge(np.zeros((0, 3), F32), np.zeros((0, 3), F32), np.zeros((0, 3)), np.zeros((0, 3)),
+                  oracle=np.zeros((0, 3)))
+    assert (empty.oracle_err_native, empty.oracle_err_manual, empty.oracle_err_exact) == (0.0, 0.0, 0.0)
