@@ -28,3 +28,12 @@ needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line that says whether the browser test ran (CI's log shows it, not just a count)."""
+    for outcome in ("passed", "failed", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "browser" in getattr(report, "keywords", {}) and (report.when == "call" or outcome == "skipped"):
+                reason = f" ({report.longrepr[2]})" if outcome == "skipped" and isinstance(report.longrepr, tuple) else ""
+                terminalreporter.write_line(f"HTML report in headless Chromium: {report.nodeid} {outcome}{reason}")

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The long checks, after the test suite (uses the .venv the README's test command built):
+# every figure the README and docs/ quote, regenerated from its runs and compared with the text,
+# and the property tests with the thorough hypothesis profile (10,000 examples per property).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py
+.venv/bin/python -m pytest --hypothesis-profile thorough -p no:cacheprovider --durations=0 tests/unit/test_properties.py
