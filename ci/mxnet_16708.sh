@@ -36,5 +36,9 @@ echo "$changes" | tail -n 1
 if ! echo "$changes" | grep -q "shared.weight (diverged -> round-off)"; then
     echo "FAIL: accumcheck diff does not name shared.weight going from diverged to round-off"; failed=1
 fi
-[ "$failed" -eq 0 ] && echo "mxnet_16708: 3 passed, 0 failed" || echo "mxnet_16708: FAILED"
+# The figures the README and docs/ quote from these two runs.
+if ! ACCUMCHECK_MX19="$new" "$venv/bin/python" ci/figures.py --group mxnet-1.6.0; then
+    echo "FAIL: the documentation's MXNet 1.6.0 figures differ from this run"; failed=1
+fi
+[ "$failed" -eq 0 ] && echo "mxnet_16708: 4 passed, 0 failed" || echo "mxnet_16708: FAILED"
 exit "$failed"
