@@ -337,3 +337,12 @@ def test_oracle_errors_in_float64_of_any_shape_and_of_an_empty_tensor():
     empty = judge(np.zeros((0, 3), F32), np.zeros((0, 3), F32), np.zeros((0, 3)), np.zeros((0, 3)),
                   oracle=np.zeros((0, 3)))
     assert (empty.oracle_err_native, empty.oracle_err_manual, empty.oracle_err_exact) == (0.0, 0.0, 0.0)
+
+
+def test_the_rms_of_s_is_taken_in_float64_even_from_float32():
+    # (1 + 2^-12)^2 needs 25 bits: squared in float32 it rounds, and S_rms would miss 1 + 2^-12.
+    native_bound = ModeBound.for_sum("float32", 2, kernel_allowance=4.0)
+    s = 1.0 + 2.0**-12
+    r = compare_tensor("t", "weight", np.array([8.0 + 2.0**-20], F32), np.array([8.0], F32), np.array([8.0]),
+                       np.array([s], F32), native_bound, ModeBound.for_sum("float32", 2))
+    assert r.bound_at_worst == native_bound.relative * s + native_bound.absolute + native_bound.tensor * s
