@@ -17,9 +17,10 @@ def test_bfloat16_native_accumulation_loses_precision_and_the_float32_buffer_doe
     for t in report.tensors:
         assert t.verdict != "diverged"  # within bfloat16's own round-off, as the theorem says
         assert t.ratio_manual <= 1.0  # the float32 buffer stays within float32 round-off of E ...
-        assert t.err_ulps_manual is not None and t.err_ulps_manual < 32  # ... a few ulps at N = 32
+        assert t.err_ulps_manual is not None and t.err_ulps_manual < 8.5  # ... docs/precision.md: 8 ulps at most
         assert t.precision_ratio is not None
-    assert max(t.err_ulps_native for t in lost) > 1e5  # bfloat16 keeps 8 bits where float32 keeps 24
+    # docs/precision.md: bfloat16 keeps 8 bits where float32 keeps 24, off by up to 3.0e6 float32 ulps
+    assert 2.95e6 <= max(t.err_ulps_native for t in lost) < 3.05e6
 
 
 def test_float16_too_and_a_float64_buffer_does_not_flag_float32():
