@@ -66,15 +66,11 @@ def machine() -> dict:
     import numba
     import numpy as np
     import torch
+    from machine_info import cpu_model  # benchmarks/ is the script's folder
 
     import accumcheck
 
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    model = cpu_model()
     return {"cpu": model, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "mxnet": installed("mxnet"), "numpy": np.__version__,

@@ -102,13 +102,9 @@ def model_figures() -> dict:
 
 def machine(device: str) -> dict:
     import torch
+    from machine_info import cpu_model  # benchmarks/ is the script's folder
 
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    model = cpu_model()
     return {"cpu": model, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if device != "cpu" else None}
 

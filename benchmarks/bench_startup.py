@@ -54,12 +54,9 @@ def interleaved(commands: dict[str, list[str]], reps: int, cwd: str) -> dict[str
 
 
 def machine() -> dict:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    from machine_info import cpu_model  # benchmarks/ is the script's folder
+
+    model = cpu_model()
     return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
             "pytest": version("pytest"), "accumcheck": version("accumcheck")}
 

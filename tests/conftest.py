@@ -30,6 +30,23 @@ def cli():
     return run_cli
 
 
+def installed_backend(tmp_path, name: str, target: str, case: str) -> dict:
+    """A case file and an environment where ``target`` (module:Class, importable from the test's
+    folder) is an installed ``accumcheck.backends`` entry point named ``name``, as a package's
+    dist-info folder on PYTHONPATH would make it."""
+    from pathlib import Path
+
+    (tmp_path / f"{name}.toml").write_text(case)
+    info = tmp_path / f"{name}_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[accumcheck.backends]\n{name} = {target}\n")
+    tests = Path(__file__).resolve().parent
+    folder = tests / "e2e"
+    path = os.pathsep.join([str(tmp_path), str(folder), str(tests), os.environ.get("PYTHONPATH", "")])
+    return {"case": str(tmp_path / f"{name}.toml"), "env": {**os.environ, "PYTHONPATH": path}, "dir": tmp_path}
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line that says whether the browser test ran (CI's log shows it, not just a count)."""
     for outcome in ("passed", "failed", "skipped"):

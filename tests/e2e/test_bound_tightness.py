@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import installed_backend
 
 from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
 
@@ -84,14 +85,7 @@ class HandmadeBackend(Backend):
 
 @pytest.fixture
 def handmade(tmp_path: Path) -> dict:
-    (tmp_path / "handmade.toml").write_text(CASE)
-    info = tmp_path / "handmade_backend-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: handmade-backend\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[accumcheck.backends]\nhandmade = test_bound_tightness:HandmadeBackend\n")
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(tmp_path), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])
-    return {"case": str(tmp_path / "handmade.toml"), "env": {**os.environ, "PYTHONPATH": path}, "dir": tmp_path}
+    return installed_backend(tmp_path, "handmade", "test_bound_tightness:HandmadeBackend", CASE)
 
 
 MULTIPLES = {0.5: 0, 0.9: 0, 1.1: 1, 2.0: 1}  # perturbation in bounds: exit code

@@ -6,11 +6,11 @@ accumcheck knowing it exists."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import installed_backend
 
 import accumcheck
 from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
@@ -95,14 +95,7 @@ class ToyBackend(Backend):
 @pytest.fixture
 def toy(tmp_path: Path) -> dict:
     """The case file, and an environment where the toy backend is an installed entry point."""
-    (tmp_path / "toy-linear.toml").write_text(CASE)
-    info = tmp_path / "toy_backend-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-backend\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[accumcheck.backends]\ntoy = test_toy_backend:ToyBackend\n")
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(tmp_path), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])
-    return {"case": str(tmp_path / "toy-linear.toml"), "env": {**os.environ, "PYTHONPATH": path}}
+    return installed_backend(tmp_path, "toy", "test_toy_backend:ToyBackend", CASE)
 
 
 def test_the_command_line_runs_it_and_its_faults_are_caught(toy, cli):
