@@ -30,6 +30,25 @@ def cli():
     return run_cli
 
 
+def linear_case(name: str, seed: int, accum_steps: int) -> str:
+    """A case file: one dense layer of 3 units on 5 features, batches of 4."""
+    return f"""
+name = "{name}"
+seed = {seed}
+accum_steps = {accum_steps}
+
+[input]
+kind = "features"
+features = 5
+batch_size = 4
+
+[[layers]]
+type = "dense"
+name = "linear"
+units = 3
+"""
+
+
 def installed_backend(tmp_path, name: str, target: str, case: str) -> dict:
     """A case file and an environment where ``target`` (module:Class, importable from the test's
     folder) is an installed ``accumcheck.backends`` entry point named ``name``, as a package's

@@ -24,25 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import installed_backend
+from conftest import installed_backend, linear_case
 
 from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
 
-CASE = """
-name = "handmade"
-seed = 0
-accum_steps = 16
-
-[input]
-kind = "features"
-features = 5
-batch_size = 4
-
-[[layers]]
-type = "dense"
-name = "linear"
-units = 3
-"""
+CASE = linear_case("handmade", seed=0, accum_steps=16)
 
 
 def hand_bound(steps: int, absum: float) -> float:

@@ -10,28 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import installed_backend
+from conftest import installed_backend, linear_case
 
 import accumcheck
 from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
 from accumcheck.errors import AccumcheckError
 from accumcheck.faults import FaultInjector, round_to_bfloat16
 
-CASE = """
-name = "toy-linear"
-seed = 3
-accum_steps = 8
-
-[input]
-kind = "features"
-features = 5
-batch_size = 4
-
-[[layers]]
-type = "dense"
-name = "linear"
-units = 3
-"""
+CASE = linear_case("toy-linear", seed=3, accum_steps=8)
 
 
 def gradients(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, labels: np.ndarray) -> tuple[dict, float]:
