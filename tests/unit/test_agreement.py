@@ -120,3 +120,23 @@ def test_forward_agreement_of_zero_logits_and_of_none():
         1e-3, 0.0, 0.0, 0.0, [2])
     assert forward_agreement(run(logits=np.ones(2, F32)), run()) is None
     assert forward_agreement(run(), run(logits=np.ones(2, F32))) is None
+
+
+def test_ordered_bits_of_float64_values_are_those_of_their_float32():
+    assert ordered_bits(np.array([1.0, -1.0])).tolist() == [0x3F800000, -0x3F800000]
+
+
+def test_a_ratio_of_exactly_one_agrees_and_above_it_disagrees():
+    # S = 0: the bound is a's float32 error 2^-10 (and the smallest normal float64, lost next to it).
+    def verdict(b_sum):
+        (w,) = agreement(run(param("w", [1.0], [1.0 + 2.0**-10], [0.0])), run(param("w", [b_sum], [b_sum], [0.0])))
+        return w.ratio, w.verdict
+
+    assert verdict(1.0 + 2.0**-10) == (1.0, "agree")
+    assert verdict(1.0 + 3 * 2.0**-11) == (1.5, "disagree")
+
+
+def test_the_oracle_is_required_in_words():
+    with pytest.raises(ValueError) as error:
+        agreement(run(param("w", [1.0], None, [1.0])), run(param("w", [1.0], [1.0], [1.0])))
+    assert str(error.value) == "agreement needs both runs made with the float64 oracle"

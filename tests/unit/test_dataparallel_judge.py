@@ -264,3 +264,15 @@ def test_summarise_names_each_rank_and_the_worst_single_process_agreement():
     assert result.single_process == SingleProcessAgreement(1.5, "a", False)
     result = summarise(setup, ranks, [tensor("a", [])], [same])
     assert result.ranks_agree and result.single_process == SingleProcessAgreement(0.0, "", True)
+
+
+def test_a_data_parallel_report_records_every_bound_and_the_setup():
+    g, locals_, final, manual, reference, e, s = _two_ranks()
+    run = _run(final, manual, reference, locals_, [final, final.copy()], e, s)
+    report = build_report(CASE, run, 8, None, False, 0)
+    b = bounds_for("float32", "float32", 8, 2, "float32")
+    assert report.bound == {"native": vars(b.native), "manual": vars(b.manual),
+                            "single_process": vars(b.single_process), "rank": vars(b.rank)}
+    assert report.data_parallel.setup is run.data_parallel
+    t = report.tensors[0]
+    assert len(t.rank_local_ratios) == len(t.rank_final_ratios) == 2 and t.flagged_ranks == []

@@ -105,3 +105,20 @@ def test_layer_norms_sum_squares_per_layer_in_float64():
     big = np.float32(1e20)
     norms = layer_norms(["x.w"], [np.array([big, big], np.float32)])
     assert norms == {"x": pytest.approx(float(big) * 2**0.5, rel=1e-15)}
+
+
+def test_every_numbered_component_counts_whatever_its_case():
+    assert _numbered("layers.3.sub.1.w") == [("layers.3", "layers.", 3), ("layers.3.sub.1", "layers.3.sub.", 1)]
+    assert _numbered("Block2.Dense10.W") == [("Block2", "Block", 2), ("Block2.Dense10", "Block2.Dense", 10)]
+
+
+def test_the_common_prefix_is_cut_at_its_last_separator():
+    assert layer_groups(["model.enc.layers.0.w", "model.enc.layers.1.w"]) == ({"0": [0], "1": [1]}, ["0", "1"])
+    gluon = ["net0_block_dense0_weight", "net0_block_dense1_weight"]
+    assert layer_groups(gluon) == ({"dense0": [0], "dense1": [1]}, ["dense0", "dense1"])
+    assert layer_groups(["net.a.w", "net.b.w"]) == ({"a": [0], "b": [1]}, [])  # two names share a prefix too
+
+
+def test_the_parameters_of_a_block_s_sub_layers_belong_to_the_block():
+    names = ["layers.0.attn.w", "layers.0.mlp.w", "layers.1.attn.w", "head.w"]
+    assert layer_groups(names) == ({"layers.0": [0, 1], "layers.1": [2], "head": [3]}, ["layers.0", "layers.1"])

@@ -4,6 +4,7 @@ dominance report reads (no framework)."""
 import math
 
 import numpy as np
+import pytest
 
 from accumcheck.diagnostics.report import DominanceEntry, DominanceReport, largest, rank
 
@@ -51,3 +52,11 @@ def test_largest_points_at_the_first_non_finite_element_and_counts_them():
 
 def test_largest_of_an_empty_gradient_is_nowhere():
     assert largest(np.zeros((0, 3), np.float32)) == ([], 0.0, 0)
+
+
+def test_rank_squares_float32_norms_in_float64_and_shares_a_total_below_one():
+    norms = np.array([1.0 + 2.0**-12, 1.0], np.float32)  # (1 + 2^-12)^2 needs 25 bits
+    a = (1.0 + 2.0**-12) ** 2
+    assert rank(["a", "b"], norms, 2) == [(0, a / (a + 1.0)), (1, 1.0 / (a + 1.0))]
+    (first, share_b), (second, share_a) = rank(["a", "b"], [0.3, 0.4], 2)  # a total of 0.25
+    assert (first, second) == (1, 0) and (share_b, share_a) == (pytest.approx(0.64), pytest.approx(0.36))

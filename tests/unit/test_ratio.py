@@ -97,3 +97,20 @@ def test_ratio_map_takes_each_mode_against_its_own_bound(mode):
                          bounds["native"], bounds["manual"])
     # S = [4, 8]: S/4 = 2 at [1]; S/2 + S_rms/2 = 4 + sqrt(40)/2
     assert cells == [[0.0, 1.0 if mode == "native" else 2.0 / (4.0 + math.sqrt(40.0) / 2)]]
+
+
+def test_absum_rms_of_float32_squares_that_overflow_float32():
+    big = F32(3e20)
+    assert absum_rms(np.array([big, big], F32)) == float(big)
+
+
+def test_worst_ratio_takes_the_rms_of_s_when_given():
+    values, exact, absum = np.array([8.0, 10.0]), np.full(2, 8.0), np.array([4.0, 4.0])
+    assert worst_ratio(values, exact, absum, ALLOWANCE) == (1.0, 1)  # S/2 alone: 2
+    assert worst_ratio(values, exact, absum, ALLOWANCE, 4.0) == (0.5, 1)  # S/2 + 4/2 = 4
+
+
+def test_ratio_map_gives_native_its_tensor_allowance_too():
+    cells, _ = ratio_map(np.array([8.0, 10.0]), np.full(2, 8.0), np.full(2, 8.0), np.array([4.0, 8.0]), ALLOWANCE,
+                         QUARTER)
+    assert cells == [[0.0, 2.0 / (4.0 + math.sqrt(40.0) / 2)]]

@@ -346,3 +346,11 @@ def test_the_rms_of_s_is_taken_in_float64_even_from_float32():
     r = compare_tensor("t", "weight", np.array([8.0 + 2.0**-20], F32), np.array([8.0], F32), np.array([8.0]),
                        np.array([s], F32), native_bound, ModeBound.for_sum("float32", 2))
     assert r.bound_at_worst == native_bound.relative * s + native_bound.absolute + native_bound.tensor * s
+
+
+def test_the_reference_bound_takes_its_tensor_allowance_from_the_same_rms_of_s():
+    native_bound = ModeBound.for_sum("float32", 2, kernel_allowance=4.0)
+    reference = ModeBound("float32", 1, 0.25, 0.0, tensor=0.25)
+    r = compare_tensor("t", "weight", np.array([9.0, 8.0], F32), np.array([8.0, 8.0], F32), np.array([8.0, 8.0]),
+                       np.array([3.0, 4.0]), native_bound, ModeBound.for_sum("float32", 2), reference_bound=reference)
+    assert r.precision_ratio == 1.0 / (0.75 + 0.25 * math.sqrt(12.5))

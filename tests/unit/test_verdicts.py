@@ -133,6 +133,7 @@ def test_the_report_records_the_case_the_run_and_the_options():
     assert report.data_parallel is None
     w, b = report.tensors
     assert (w.name, w.kind, b.name, b.kind) == ("w", "weight", "b", "bias")
+    assert (w.flagged_ranks, w.rank_local_ratios, w.single_ratio) == (None, None, None)  # not data-parallel
     assert (w.oracle_err_native, w.oracle_err_exact, b.oracle_err_native) == (0.5, 0.5, None)
 
 
