@@ -2,6 +2,7 @@
 root-mean-square of S and the ratio map."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -114,3 +115,9 @@ def test_ratio_map_gives_native_its_tensor_allowance_too():
     cells, _ = ratio_map(np.array([8.0, 10.0]), np.full(2, 8.0), np.full(2, 8.0), np.array([4.0, 8.0]), ALLOWANCE,
                          QUARTER)
     assert cells == [[0.0, 2.0 / (4.0 + math.sqrt(40.0) / 2)]]
+
+
+def test_ratios_to_a_zero_bound_raise_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ratios_to(np.array([1.0, 0.0]), np.array([0.0, 0.0])).tolist() == [math.inf, 0.0]

@@ -227,11 +227,11 @@ def test_native_and_manual_of_different_widths_are_compared_in_the_wider():
     assert counts.dtype == "float32" and counts.verdict == "identical"  # no float of their own: float32
 
 
-def test_e_and_s_are_read_in_float64():
+def test_e_is_read_in_float64():
     # E = 1 + 2^-23 given in float32: its square needs float64.
-    r = judge(np.array([1.0 + 2.0**-23], F32), np.array([1.0 + 2.0**-23], F32), np.array([1.0 + 2.0**-23], F32),
-              np.array([1.0], F32))
-    assert r.grad_sum_sq == (1.0 + 2.0**-23) ** 2
+    x = np.array([1.0 + 2.0**-23], F32)
+    bound = ModeBound.for_sum("float32", 2)
+    assert compare_tensor("t", "weight", x, x, x, np.ones(1, F32), bound, bound).grad_sum_sq == (1.0 + 2.0**-23) ** 2
 
 
 def test_sizes_that_differ_are_refused_by_name():
@@ -340,12 +340,13 @@ def test_oracle_errors_in_float64_of_any_shape_and_of_an_empty_tensor():
 
 
 def test_the_rms_of_s_is_taken_in_float64_even_from_float32():
-    # (1 + 2^-12)^2 needs 25 bits: squared in float32 it rounds, and S_rms would miss 1 + 2^-12.
+    # S = 3e20 given in float32: its square overflows float32.
     native_bound = ModeBound.for_sum("float32", 2, kernel_allowance=4.0)
-    s = 1.0 + 2.0**-12
-    r = compare_tensor("t", "weight", np.array([8.0 + 2.0**-20], F32), np.array([8.0], F32), np.array([8.0]),
-                       np.array([s], F32), native_bound, ModeBound.for_sum("float32", 2))
-    assert r.bound_at_worst == native_bound.relative * s + native_bound.absolute + native_bound.tensor * s
+    s = np.array([3e20], F32)
+    r = compare_tensor("t", "weight", np.nextafter(s, F32(np.inf)), s, s.astype(np.float64), s, native_bound,
+                       ModeBound.for_sum("float32", 2))
+    big = float(s[0])
+    assert r.bound_at_worst == native_bound.relative * big + native_bound.absolute + native_bound.tensor * big
 
 
 def test_the_reference_bound_takes_its_tensor_allowance_from_the_same_rms_of_s():
