@@ -161,8 +161,9 @@ def test_a_fault_beyond_the_bound_is_flagged_on_its_tensor_only():
                 assert result.verdict == "diverged" and result.worst_mode == "native", (result.ratio, kind)
 
     fault_property()
-    for kind, (examples, shown) in seen.items():
-        assert examples and shown >= 0.1 * examples, (kind, examples, shown)
+    # Not vacuous: every kind of fault was visible in some examples, and a tenth of all were.
+    assert all(shown for _, shown in seen.values()), seen
+    assert sum(shown for _, shown in seen.values()) >= 0.1 * sum(examples for examples, _ in seen.values()), seen
 
 
 # ----------------------------------------------------------------------------- round trips
