@@ -96,6 +96,14 @@ def changes(module: str) -> dict[str, str]:
     return found
 
 
+def compiled(module: str) -> set[str]:
+    """The module's numba-compiled functions: a mutant of one would need a trampoline numba cannot
+    compile. mutmut leaves decorated functions alone; this checks that it did."""
+    tree = ast.parse((ROOT / module).read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in node.decorator_list)}
+
+
 def load_equivalents() -> dict[str, dict[str, str]]:
     if not EQUIVALENTS.is_file():
         return {}
@@ -119,9 +127,12 @@ def tally(equivalents: dict[str, dict[str, str]]) -> tuple[dict[str, dict[str, f
         if not codes:
             problems.append(f"{module}: no results (did mutmut run over it?)")
         changed = changes(module)
+        kernels = compiled(module)
         killed = survived = equivalent = 0
         for key, code in sorted(codes.items()):
             name = key.rpartition(".")[2]
+            if name.rpartition("__mutmut_")[0].removeprefix("x_") in kernels:
+                problems.append(f"{key}: a mutant of a numba-compiled function")
             listed = equivalents.get(key)
             if listed is not None:
                 seen.add(key)
