@@ -8,8 +8,8 @@ accumulation together). If the two compute the same function of the same weights
     |B_a - B_b| <= e_a + e_b + |O_a - O_b|,   and   |O_a - O_b| <= c * u32 * (S + S_rms,tensor + S_rms,model)
 
 where the second term allows the frameworks' float64 kernels to differ at float32 level (MXNet's
-float64 GELU uses a float32-accurate erf, 3.6e-7 from the exact one). c = FLOAT64_KERNEL_ALLOWANCE,
-four times the largest value measured on the built-in cases. A tensor past that bound was computed
+float64 GELU uses a float32-accurate erf). c = FLOAT64_KERNEL_ALLOWANCE, well above the largest
+value measured on the built-in cases (docs/frameworks.md). A tensor past that bound was computed
 from a different function, weights or data: it "disagrees".
 """
 
