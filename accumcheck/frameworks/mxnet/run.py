@@ -19,8 +19,8 @@ from .passes import case_step, manual_pass, native_pass, prepared
 # backward, for one, adds each token's row straight into the running total, so a micro-step's inner
 # terms are rounded at their own scale, which cancellation can make far larger than the
 # micro-gradient. The native bound carries this allowance (in units of u, at the tensor's scale;
-# bounds.ModeBound); the largest need measured on the built-in cases was 0.94 (embed-attention's
-# embedding at N = 2).
+# bounds.ModeBound); docs/maths.md quotes the largest need measured on the built-in cases
+# (ci/figures.py regenerates it).
 KERNEL_ALLOWANCE = 4.0
 
 
