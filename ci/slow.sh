@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py
-.venv/bin/python -m pytest --hypothesis-profile thorough -p no:cacheprovider --durations=0 tests/unit/test_properties.py
+.venv/bin/python -m pytest --hypothesis-profile thorough -v -p no:cacheprovider --durations=0 tests/unit/test_properties.py

@@ -11,6 +11,9 @@ pytest_plugins = ["pytester"]
 # The default suite runs a bounded number of examples per property; `--hypothesis-profile thorough`
 # runs at least 10,000 each.
 settings.register_profile("default", max_examples=200, deadline=None)
+# Hypothesis loads its "ci" profile where CI is set: the same 200 examples, derandomized (a run in CI
+# replays exactly), with no example database.
+settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True, database=None)
 settings.register_profile("thorough", max_examples=10_000, deadline=None)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
