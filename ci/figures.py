@@ -87,7 +87,7 @@ def times_ten(x: float, digits: int = 2) -> str:
     return f"{mantissa:.{digits - 1}f}·10" + str(exponent).translate(SUPERSCRIPT)
 
 
-def one_digit(x: float, digits: int = 1) -> str:
+def e_notation(x: float, digits: int = 1) -> str:
     """7e4, 1e6 (3.6e-7 with two digits): e-notation without the exponent's padding."""
     mantissa, exponent = f"{x:.{digits - 1}e}".split("e")
     return f"{mantissa}e{int(exponent)}"
@@ -225,8 +225,8 @@ def data_parallel_figures() -> dict[str, str]:
     figures["dp.bf16.own"] = sig(max(t.ratio_native for t in lost), 2)
     times = [t.precision_ratio for t in lost]  # native error over the float32 all-reduce's bound
     figures["dp.bf16.times"] = f"{thousands(min(times))} to {thousands(max(times))}"
-    figures["dp.bf16.ulps"] = f"{one_digit(min(t.err_ulps_native for t in lost))} to " \
-                              f"{one_digit(max(t.err_ulps_native for t in lost))}"
+    figures["dp.bf16.ulps"] = f"{e_notation(min(t.err_ulps_native for t in lost))} to " \
+                              f"{e_notation(max(t.err_ulps_native for t in lost))}"
     figures["dp.bf16.manual-ulps"] = f"{min(t.err_ulps_manual for t in lost):.0f} to " \
                                      f"{max(t.err_ulps_manual for t in lost):.0f}"
     return figures
@@ -243,18 +243,13 @@ def backend_run(case: str, framework: str, **options):
     return get_backend(framework).run(accumcheck.configure({"case": case, "framework": framework, **options}))
 
 
-def rms(values) -> float:
-    import numpy as np
-
-    return float(np.sqrt(np.mean(np.square(values)))) if np.size(values) else 0.0
-
-
 @group("mxnet", needs="mxnet==1.9.1")
 def mxnet_figures() -> dict[str, str]:
     import numpy as np
 
     import accumcheck
     from accumcheck.bounds import UNIT_ROUNDOFF, ModeBound
+    from accumcheck.judge.ratio import absum_rms as rms
 
     u = UNIT_ROUNDOFF["float32"]
     figures: dict[str, str] = {}
@@ -298,7 +293,7 @@ def mxnet_figures() -> dict[str, str]:
     grid = grid[np.abs(grid) > 1e-3]
     gelu = mx.nd.LeakyReLU(mx.nd.array(grid, dtype="float64"), act_type="gelu").asnumpy()
     exact = np.array([math.erf(x / math.sqrt(2.0)) for x in grid])
-    figures["mxnet.erf.error"] = one_digit(float(np.abs(2 * gelu / grid - 1 - exact).max()), 2)
+    figures["mxnet.erf.error"] = e_notation(float(np.abs(2 * gelu / grid - 1 - exact).max()), 2)
     figures["mxnet.cross.need"] = f"{sig(need64, 2)}, so 16 leaves a factor of {16 / need64:.0f}"
     figures["mxnet.cross.worst"] = sig(worst, 2)
     figures["mxnet.cross.logits"] = f"{min(logits):.0f} to {max(logits):.0f}"
