@@ -7,6 +7,10 @@ it, so that a test run that does not use accumcheck pays nothing for it being in
 test per item), --accum-world-size, --accum-report. Tests that ask for the fixtures
 ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run once per
 combination; ``accum_compare`` runs a case with them and saves its report.
+
+A test in which ``accumcheck.compare`` itself raised (an AccumcheckError for a bad case or
+option, or a bug in accumcheck) is reported as an error (E), not as a failure (F): a failure is
+an accumulation finding, an error is a check that could not run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from .options import RUN_OPTIONS, add_options
 
 _PLUGIN_OPTIONS = [option for option in RUN_OPTIONS if option.pytest]
 
+# On an item whose accum_compare call raised: (one-line description, the exception raised).
+_RAISED = pytest.StashKey[tuple[str, BaseException]]()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("accumcheck", "gradient accumulation checks (accumcheck)")
@@ -30,7 +37,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse an unknown framework or case before any test runs (a typo would otherwise skip)."""
+    """Refuse an unknown framework or case (a typo would otherwise skip), or a report folder that
+    could take no files, before any test runs."""
+    folder = config.getoption("--accum-report")
+    if folder:
+        from .errors import AccumcheckError
+        from .files import check_output_folder
+
+        try:
+            check_output_folder("--accum-report", folder)
+        except AccumcheckError as exc:
+            raise pytest.UsageError(f"argument --accum-report: {exc}") from None
     frameworks, cases = _names(config.getoption("--accum-framework")), config.getoption("--accum-case") or []
     if not frameworks and not cases:
         return
@@ -159,11 +176,49 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
         options = {"framework": framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
         if world and get_backend(framework).capabilities.data_parallel:
             options.setdefault("world_size", world)
-        report = compare(case, **options)
+        try:
+            report = compare(case, **options)
+        except Exception as exc:  # accumcheck could not run the check: an error, not a finding
+            request.node.stash[_RAISED] = (_one_line(exc), exc)
+            raise
         _save(request, report)
         return report
 
     return run
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+# An old-style wrapper: ``wrapper=True`` needs pluggy 1.2, which pytest 7.4 does not require.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """Tag the call report of a test that failed because accumcheck raised (that very exception,
+    not a later assertion of the test's own), and say so under its traceback."""
+    outcome = yield
+    if call.when != "call" or _RAISED not in item.stash:
+        return
+    line, exc = item.stash[_RAISED]
+    del item.stash[_RAISED]  # the exception holds the frames of the run: let them go
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and call.excinfo.value is exc:
+        report.accumcheck_error = line
+        text = f"accumcheck raised {line}: this is an error in running the check, not an accumulation finding"
+        if hasattr(report.longrepr, "addsection"):
+            report.longrepr.addsection("accumcheck", text)
+        else:
+            report.sections.append(("accumcheck", text))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
+    """A test in which accumcheck raised counts among the errors (E), not the failures."""
+    if report.when == "call" and report.failed and getattr(report, "accumcheck_error", None):
+        return "error", "E", "ERROR"
+    return None
 
 
 def _save(request: pytest.FixtureRequest, report: Any) -> None:

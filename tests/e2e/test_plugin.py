@@ -128,6 +128,70 @@ def test_accum_compare_saves_reports(pytester, tmp_path):
     assert data["case"] == "tiny-grads" and data["accum_steps"] == 4
 
 
+@pytest.mark.parametrize("body, raised", [
+    ('accum_compare("no-such-case")', "CaseError: unknown case 'no-such-case'; built-in cases: *"),
+    ('monkeypatch.setattr(accumcheck.api, "run", lambda *a, **k: 1 / 0)\n    accum_compare("tiny-grads")',
+     "ZeroDivisionError: division by zero"),
+], ids=["bad-case", "internal-bug"])
+@needs_torch
+def test_accumcheck_raising_is_an_error_not_a_finding(pytester, body, raised):
+    pytester.makepyfile(f"""
+import accumcheck
+import accumcheck.api
+
+def test_it(accum_compare, monkeypatch):
+    {body}
+""")
+    result = pytester.runpytest_subprocess("--accum-steps", "2", "--accum-framework", "torch", "-v")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([
+        "*::test_it[[]N2-torch-cpu[]] ERROR*",
+        "*= ERRORS =*",
+        "*ERROR at call of test_it[[]N2-torch-cpu[]]*",
+        f"E *{raised}",  # the traceback is shown
+        "*- accumcheck -*",
+        f"accumcheck raised {raised}: this is an error in running the check, not an accumulation finding",
+        "*short test summary info*",
+        "ERROR *::test_it[[]N2-torch-cpu[]]*",
+        "*1 error in *",
+    ])
+    assert "FAILURES" not in result.stdout.str()
+
+
+@needs_torch
+def test_a_finding_stays_a_failure(pytester):
+    pytester.makepyfile("""
+        import pytest
+        import accumcheck
+        from accumcheck.errors import AccumcheckError
+
+        def test_finding(accum_compare):
+            report = accum_compare("tiny-grads", inject="scale")
+            assert report.exit_code == 0
+
+        def test_finding_after_a_caught_error(accum_compare):
+            with pytest.raises(AccumcheckError):
+                accum_compare("no-such-case")
+            accumcheck.assert_faithful(accum_compare("tiny-grads", inject="scale"))
+    """)
+    result = pytester.runpytest_subprocess("--accum-steps", "2", "--accum-framework", "torch")
+    result.assert_outcomes(failed=2, errors=0)
+    assert "not an accumulation finding" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-file"])
+def test_unwritable_report_folder_is_a_usage_error(pytester, tmp_path, where):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    folder, why = ((afile / "reports", f"{afile} is a file, not a folder; choose another folder")
+                   if where == "under-a-file" else (afile, "is a file; give a folder (it is created if missing)"))
+    pytester.makepyfile("def test_never_runs(): raise AssertionError('ran')")
+    result = pytester.runpytest("--accum-report", str(folder))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: argument --accum-report: --accum-report {folder}: {why}"])
+    assert "test_never_runs" not in result.stdout.str()
+
+
 @needs_torch
 def test_the_docs_example_test_file_runs(pytester):
     import re
