@@ -1,22 +1,25 @@
 """The ``accumcheck`` command: parse, call the library, hand the result to a renderer, map it to an
 exit code.
 
-Exit codes: 0 every tensor faithful, 1 something flagged, 2 usage or configuration error.
+Exit codes: 0 every tensor faithful, 1 something flagged, 2 usage, input or configuration error,
+3 an internal error (a bug in accumcheck, never a finding: one line on stderr, the traceback saved
+to a file it names), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import api
 from .casefile import builtin_cases
 from .errors import AccumcheckError
+from .files import check_output_file, check_output_folder, safe_file_name, write_or_rescue
 from .launch import launched_rank, launched_world_size
 from .options import RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
 from .registry import backend_names, backend_options
@@ -24,11 +27,12 @@ from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
 from .render.table import cases_table
 from .render.text import one_line
-from .report import Report, diff_reports, load_report, write_atomic
+from .report import Report, diff_reports, load_report
 from .validation import configure
 from .version import __version__
 
-SWEEP_OPTIONS = ("framework", "device", "case", "seed", "inject")
+SWEEP_OPTIONS = ("framework", "device", "case", "seed", "inject", "force")
+INTERNAL_ERROR = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,8 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
+        parser.error("give a command: compare, sweep, train, diff, cases or show")
     try:
         return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
                 "train": _train}[args.command](args)
@@ -112,6 +115,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("accumcheck: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, not a finding: never exit 1, never a bare traceback
+        print(f"accumcheck: internal error ({type(exc).__name__}: {_first_line(exc)}); this is not an "
+              f"accumulation finding; {_save_traceback()}", file=sys.stderr)
+        return INTERNAL_ERROR
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else "no message"
+
+
+def _save_traceback() -> str:
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="accumcheck-traceback-", suffix=".txt", delete=False) as handle:
+            handle.write(f"accumcheck {__version__}\nargv: {sys.argv!r}\n\n{traceback.format_exc()}")
+    except OSError:
+        return "the traceback could not be saved (the temporary folder takes no files)"
+    return f"the full traceback is in {handle.name}; please include it when you report this"
 
 
 def _options(args: argparse.Namespace, names: Sequence[str] | None = None) -> dict[str, Any]:
@@ -121,8 +142,7 @@ def _options(args: argparse.Namespace, names: Sequence[str] | None = None) -> di
 
 
 def _compare(args: argparse.Namespace) -> int:
-    _check_output(args.output)
-    _check_plot(args.plot)
+    _check_outputs(args)
     if args.world_size is None:  # under torchrun: data-parallel on the job's ranks
         args.world_size = launched_world_size()
     config = configure(_options(args))
@@ -138,8 +158,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    _check_output(args.output)
-    _check_plot(args.plot)
+    _check_outputs(args)
     with _LazyProgress() as progress:
         result = api.sweep(args.case, args.accum_steps, progress=progress,
                            **{k: v for k, v in _options(args).items() if k not in ("case", "accum_steps")})
@@ -150,13 +169,17 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    _check_output(args.output)
+    _check_outputs(args)
     with _LazyProgress() as progress:
         report = api.train(args.case, steps=args.steps, optimizer=args.optimizer, lr=args.lr, progress=progress,
                            **{k: v for k, v in _options(args, TRAIN_RUN_OPTIONS).items() if k != "case"})
     if args.output:
-        write_atomic(args.output, report.to_json())
-        picture = save_plot(report, Path(args.output).with_suffix(".png"))
+        write_or_rescue("--output", args.output, report.to_json())
+        try:
+            picture = save_plot(report, Path(args.output).with_suffix(".png"))
+        except OSError as exc:
+            raise AccumcheckError(f"--output {args.output}: the report was written, but not the plot beside it "
+                                  f"({exc.strerror})") from None
         print(f"report written to {args.output}, plot to {picture}")
     elif args.format == "json":
         sys.stdout.write(report.to_json())
@@ -180,28 +203,20 @@ def _cases(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    _check_output(args.output)
+    _check_outputs(args)
     report = load_report(args.report)
     _emit(report, args)
     return report.exit_code
 
 
-def _check_output(path: str | None) -> None:
-    """Fail before any work when the report could not be written."""
-    if path is None:
-        return
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise AccumcheckError(f"--output {path}: folder {parent} does not exist; create it or choose another path")
-    if not os.access(parent, os.W_OK):
-        raise AccumcheckError(f"--output {path}: folder {parent} is not writable; choose another path")
-    if Path(path).is_dir():
-        raise AccumcheckError(f"--output {path}: is a folder; give a file name")
-
-
-def _check_plot(folder: str | None) -> None:
-    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
-        raise AccumcheckError(f"--plot {folder}: is a file; give a folder (it is created if missing)")
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail before any work when an output could not be written."""
+    if getattr(args, "output", None) is not None:
+        check_output_file("--output", args.output)
+        if args.command == "train":  # the plot goes beside the report
+            check_output_file("--output", Path(args.output).with_suffix(".png"))
+    if getattr(args, "plot", None) is not None:
+        check_output_folder("--plot", args.plot)
 
 
 def _console() -> Any:
@@ -218,26 +233,22 @@ def _emit(report: Any, args: argparse.Namespace) -> None:
         else:
             sys.stdout.write(render(report, args.format))
         return
-    text = render(report, args.format)
-    try:
-        write_atomic(args.output, text)
-    except OSError as exc:
-        fd, rescue = tempfile.mkstemp(prefix="accumcheck-report-", suffix=f".{args.format}")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        raise AccumcheckError(f"--output {args.output}: cannot write ({exc.strerror}); "
-                              f"the report was saved to {rescue} instead") from None
+    write_or_rescue("--output", args.output, render(report, args.format))
     print(one_line(report))
     print(f"report written to {args.output}")
 
 
 def _plots(reports: list[Report], folder: str, growth_of: list[Report] | None = None) -> None:
     written = []
-    for r in reports:
-        written += save(figures(r), folder, f"{r.case}-{r.framework}-N{r.accum_steps}")
-    if growth_of is not None:
-        first = growth_of[0]
-        written += save({"growth": growth(growth_of)}, folder, f"{first.case}-{first.framework}-sweep")
+    try:
+        for r in reports:
+            written += save(figures(r), folder, safe_file_name(f"{r.case}-{r.framework}-N{r.accum_steps}"))
+        if growth_of is not None:
+            first = growth_of[0]
+            written += save({"growth": growth(growth_of)}, folder, safe_file_name(f"{first.case}-{first.framework}-sweep"))
+    except OSError as exc:
+        raise AccumcheckError(f"--plot {folder}: cannot draw the plots there ({exc.strerror}); the report above "
+                              "is complete") from None
     print(f"plots written: {', '.join(str(p) for p in written if p.suffix == '.png')} (and .svg)", file=sys.stderr)
 
 
@@ -261,10 +272,19 @@ class _LazyProgress:
             if not self.enabled or time.perf_counter() - self.started < self.DELAY_S or not sys.stderr.isatty():
                 return
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
+            # elapsed, then the time left at the rate so far: a long run says how long it will take
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                                     TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                     console=Console(stderr=True), transient=True)
             self.progress.start()
         if phase not in self.tasks:
             self.tasks[phase] = self.progress.add_task(phase, total=total)

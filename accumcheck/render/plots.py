@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..files import check_replaceable, safe_file_name
 from ..report import Report, TrajectoryReport, growth_rows
 
 KIND_COLOURS = {"embedding": "#d62728", "weight": "#1f77b4", "bias": "#2ca02c", "norm": "#9467bd"}
@@ -132,14 +133,17 @@ def figures(report: Report) -> dict[str, Any]:
 
 
 def save(figs: dict[str, Any], folder: str | Path, stem: str) -> list[Path]:
-    """Write each figure as PNG and SVG into ``folder``; returns the paths written."""
+    """Write each figure as PNG and SVG into ``folder`` (``stem`` made a safe file name: it may
+    come from a case file); returns the paths written."""
     plt = _pyplot()
+    stem = safe_file_name(stem)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, fig in figs.items():
         for ext in ("png", "svg"):
             path = folder / f"{stem}-{name}.{ext}"
+            check_replaceable(path)
             fig.savefig(path, dpi=120)
             written.append(path)
         plt.close(fig)
@@ -182,6 +186,7 @@ def trajectory(report: TrajectoryReport) -> Any:
 def save_plot(report: TrajectoryReport, path: str | Path) -> Path:
     """Draw ``plot(report)`` into ``path`` (PNG)."""
     path = Path(path)
+    check_replaceable(path)
     fig = trajectory(report)
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)

@@ -4,9 +4,10 @@ Computing (``accumcheck.judge``) and drawing (``accumcheck.render``) are kept ap
 is re-rendered with ``accumcheck show`` on a machine that has neither framework installed.
 """
 
+from ..files import write_atomic
 from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement
 from .diff import ReportDiff, TensorChange, diff_reports
-from .files import KINDS, load_report, report_from_data, write_atomic
+from .files import KINDS, load_report, report_from_data
 from .single import (
                      DataParallelResult,
                      DataParallelSetup,

@@ -1,14 +1,13 @@
-"""Report files: read any report kind (of this schema or an older one), write atomically."""
+"""Report files: read any report kind (of this schema or an older one)."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..errors import AccumcheckError
+from ..files import MAX_REPORT_BYTES, read_text
 from .cross import CrossReport
 from .single import Report
 from .sweep import SweepReport
@@ -33,9 +32,27 @@ def report_from_data(data: Any, source: str = "<report>") -> Any:
     if kind not in KINDS:
         raise AccumcheckError(f"{source}: unknown report kind {kind!r} (known: {', '.join(KINDS)})")
     try:
-        return KINDS[kind].from_dict(data, source)
-    except (TypeError, KeyError, AttributeError) as exc:
+        report = KINDS[kind].from_dict(data, source)
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
         raise AccumcheckError(f"{source}: not an accumcheck{_NAMES[kind]} report ({exc})") from None
+    empty = _emptiness(report)
+    if empty:
+        raise AccumcheckError(f"{source}: an empty{_NAMES[kind]} report ({empty}); nothing was judged, so there is "
+                              "no verdict to show: rerun the comparison")
+    return report
+
+
+def _emptiness(report: Any) -> str | None:
+    """What an empty report lacks (a comparison always judges at least one tensor), or None."""
+    if isinstance(report, Report):
+        return None if report.tensors else "no tensors"
+    if isinstance(report, (CrossReport, SweepReport)):
+        if not report.reports:
+            return "no reports"
+        return next(filter(None, map(_emptiness, report.reports)), None)
+    if isinstance(report, TrajectoryReport) and (report.steps < 1 or not report.losses):
+        return "no optimizer steps"
+    return None
 
 
 def load_report(path: str | Path) -> Any:
@@ -43,26 +60,11 @@ def load_report(path: str | Path) -> Any:
     cannot."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise AccumcheckError(f"{path}: cannot read report: {exc.strerror}") from None
+        data = json.loads(read_text(path, "report", MAX_REPORT_BYTES))
+    except RecursionError:
+        raise AccumcheckError(f"{path}: nests too deeply to be an accumcheck report; "
+                              "pass a report written with --format json") from None
     except json.JSONDecodeError as exc:
         raise AccumcheckError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}); "
                               "pass a report written with --format json") from None
     return report_from_data(data, str(path))
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
