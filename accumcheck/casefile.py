@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .cases import ACTIVATIONS, LAYER_TYPES, Case, CaseError, InputSpec, Layer
-from .options import REDUCTIONS
+from .errors import AccumcheckError
+from .files import MAX_CASE_BYTES, read_text
+from .options import REDUCTIONS, SEED_LIMIT
+
+MAX_NESTING = 16  # blocks within blocks; the built-in cases nest 3 deep
+_LAYER_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class _Reader:
@@ -37,6 +44,8 @@ class _Reader:
             raise self.fail(key, f"expected {kind.__name__}, got {value!r}")
         if choices and value not in choices:
             raise self.fail(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+        if kind is float and not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value!r}")
         return value
 
     def positive(self, key: str, default: Any = ...) -> int:
@@ -57,7 +66,9 @@ class _Reader:
             raise self.fail(unknown[0], f"unknown key (known here: {', '.join(sorted(self.used))})")
 
 
-def _parse_layers(raw: Any, where: str, source: str, names: set[str]) -> tuple[Layer, ...]:
+def _parse_layers(raw: Any, where: str, source: str, names: set[str], depth: int = 1) -> tuple[Layer, ...]:
+    if depth > MAX_NESTING:
+        raise CaseError(f"{source}: {where}: layers nest more than {MAX_NESTING} deep; flatten the case")
     if not isinstance(raw, list) or not raw or not all(isinstance(x, dict) for x in raw):
         raise CaseError(f"{source}: {where}: expected a non-empty array of tables ([[{where}]])")
     layers = []
@@ -65,8 +76,9 @@ def _parse_layers(raw: Any, where: str, source: str, names: set[str]) -> tuple[L
         r = _Reader(table, f"{where}[{i}].", source)
         kind = r.get("type", str, choices=LAYER_TYPES)
         name = r.get("name", str)
-        if not name or "." in name:
-            raise r.fail("name", f"{name!r} must be non-empty and contain no '.'")
+        if not _LAYER_NAME.fullmatch(name):
+            raise r.fail("name", f"{name!r} is not a layer name: use letters, digits, '_' and '-' "
+                         "(no '.', '/' or spaces), as in 'block0' or 'ffn-in'")
         if name in names:
             raise r.fail("name", f"{name!r} is used twice; give every layer a distinct name")
         names.add(name)
@@ -94,7 +106,7 @@ def _parse_layers(raw: Any, where: str, source: str, names: set[str]) -> tuple[L
             r.used.add("body")
             # A residual shares its parent's namespace; a block opens a new one.
             scope = names if kind == "residual" else set()
-            body = _parse_layers(table.get("body"), f"{where}[{i}].body", source, scope)
+            body = _parse_layers(table.get("body"), f"{where}[{i}].body", source, scope, depth + 1)
         elif kind == "tied_output":
             options["tie"] = r.get("tie", str)
             options["bias"] = r.get("bias", bool, False)
@@ -152,10 +164,16 @@ def parse_case(text: str, source: str = "<memory>") -> Case:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise CaseError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise CaseError(f"{source}: nests too deeply to be a case (layers nest {MAX_NESTING} deep at most)") from None
     top = _Reader(doc, "", source)
     name = top.get("name", str)
+    if not name.strip() or not name.isprintable():
+        raise top.fail("name", f"{name!r} must be printable text, not empty")
     description = top.get("description", str, "")
     seed = top.get("seed", int, 0)
+    if not 0 <= seed < SEED_LIMIT:
+        raise top.fail("seed", f"must be between 0 and 2**32 - 1, got {seed}")
     accum_steps = top.positive("accum_steps", 16)
 
     ri = _Reader(top.get("input", dict), "[input].", source)
@@ -203,11 +221,10 @@ def parse_case(text: str, source: str = "<memory>") -> Case:
 
 def load_case(path: str | Path) -> Case:
     """Load a case TOML file. Raises CaseError when it is missing or malformed."""
-    path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise CaseError(f"{path}: cannot read case file: {exc.strerror}") from None
+        text = read_text(path, "case file", MAX_CASE_BYTES)
+    except AccumcheckError as exc:
+        raise CaseError(str(exc)) from None
     return parse_case(text, str(path))
 
 

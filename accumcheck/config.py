@@ -35,6 +35,7 @@ class RunConfig:
     accum_dtype: str = "float32"
     mode: str = "native"
     grad_norms: str | None = None
+    force: bool = False
     backend_options: tuple[tuple[str, Any], ...] = ()
 
     @property

@@ -25,6 +25,7 @@ ACCUM_DTYPES = ("float32", "float64")
 MODES = ("native", "accumulator", "compensated")
 REDUCTIONS = ("mean", "sum", "token_count")
 FAULT_KINDS = ("drop-step", "double-step", "scale", "bf16", "roundoff")
+SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,13 @@ def non_negative_int(value: Any) -> int:
     return number
 
 
+def seed_value(value: Any) -> int:
+    number = _int_or_none(value)
+    if number is None or not 0 <= number < SEED_LIMIT:
+        raise ValueError(f"{value!r} is not a seed (an integer from 0 to 2**32 - 1, e.g. 0)")
+    return number
+
+
 def _int_or_none(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
@@ -205,7 +213,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
            check=case_argument, metavar="NAME|PATH", pytest="list", reproduce="always"),
     Option("accum_steps", "accum-steps", "micro-steps to accumulate (default: the case's own)", check=positive_int,
            metavar="N", pytest="list", reproduce="always"),
-    Option("seed", "seed", "override the case's seed", check=non_negative_int, metavar="S", reproduce="always"),
+    Option("seed", "seed", "override the case's seed (0 to 2**32 - 1)", check=seed_value, metavar="S",
+           reproduce="always"),
     Option("oracle", "oracle", "also run the whole model in float64", default=False, switch=True,
            capability="oracle"),
     Option("full_batch", "full-batch", "also compare with the whole batch's gradient in one backward pass "
@@ -232,6 +241,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
            one_framework=True),
     Option("grad_norms", "grad-norms", "also log each mode's per-layer gradient norms to TensorBoard event files "
            "in DIR", check=text, metavar="DIR", one_framework=True, reproduce="never"),
+    Option("force", "force", "run although the estimate says it needs more memory than is available, or more "
+           "ranks than there are cores", default=False, switch=True),
 )
 OPTIONS_BY_NAME = {option.name: option for option in RUN_OPTIONS}
 
@@ -241,7 +252,7 @@ TRAIN_OPTIONS: tuple[Option, ...] = (
     Option("optimizer", "optimizer", "the optimizer", default="adam", choices=("adam", "sgd")),
     Option("lr", "lr", "learning rate", default=1e-3, check=positive_float, metavar="LR"),
 )
-TRAIN_RUN_OPTIONS = ("framework", "device", "case", "accum_steps", "seed", "inject", "oracle")
+TRAIN_RUN_OPTIONS = ("framework", "device", "case", "accum_steps", "seed", "inject", "oracle", "force")
 
 
 def command_line(record: dict[str, Any], command: str = "accumcheck compare") -> str:

@@ -17,8 +17,11 @@ from .cases import Case
 from .config import RunConfig
 from .errors import AccumcheckError
 from .faults import Fault, parse_fault, resolve_fault
+from .files import check_output_folder
+from .launch import launched_world_size
 from .options import OPTIONS_BY_NAME, RUN_OPTIONS, Option
 from .registry import backend_names, backend_options, default_backend, get_backend
+from .resources import check_resources, estimate
 
 # What an option needs, said to whoever gives it without: option name -> the hint.
 _REQUIREMENTS = {
@@ -60,12 +63,18 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
     rank = values["inject_rank"]
     if rank is not None and rank >= values["world_size"]:
         raise AccumcheckError(f"--inject-rank {rank}: ranks are 0..{values['world_size'] - 1}")
+    if values["grad_norms"] is not None:
+        check_output_folder("--grad-norms", values["grad_norms"])
+    need = estimate(case, steps, oracle=values["oracle"] or len(frameworks) > 1, full_batch=values["full_batch"],
+                    world_size=values["world_size"])
+    check_resources(need, f"--case {case.name} at --accum-steps {steps}", force=values["force"],
+                    launched=launched_world_size() is not None)
     return RunConfig(
         case=case, accum_steps=steps, frameworks=frameworks, device=values["device"], fault=fault,
         oracle=values["oracle"], full_batch=values["full_batch"], loss_reduction=values["loss_reduction"],
         world_size=values["world_size"], reduce_dtype=values["reduce_dtype"], inject_rank=rank,
         dtype=values["dtype"], accum_dtype=values["accum_dtype"], mode=values["mode"],
-        grad_norms=None if values["grad_norms"] is None else str(values["grad_norms"]),
+        grad_norms=None if values["grad_norms"] is None else str(values["grad_norms"]), force=values["force"],
         backend_options=tuple(extras.items()))
 
 

@@ -51,7 +51,7 @@ def test_a_config_is_resolved_and_frozen():
     ({"world_size": 2, "inject": "scale", "inject_rank": 2}, "--inject-rank 2: ranks are 0..1"),
     ({"case": "conditional-branch", "full_batch": True}, "routes each micro-batch through its conditional layers"),
     ({"accum_steps": 0}, "--accum-steps: 0 is not a positive integer (e.g. 32)"),
-    ({"seed": -1}, "--seed: -1 is not a non-negative integer (e.g. 0)"),
+    ({"seed": -1}, "--seed: -1 is not a seed (an integer from 0 to 2**32 - 1, e.g. 0)"),
     ({"dtype": "float8"}, "--dtype: 'float8' is not one of float32, bfloat16, float16"),
     ({"device": "tpu"}, "--device: unknown device 'tpu'; use cpu, gpu, cuda or cuda:N"),
     ({"framework": "jax"}, "--framework: unknown framework 'jax'; choose one of mxnet, torch"),

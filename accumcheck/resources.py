@@ -1,0 +1,136 @@
+"""What a run will need, estimated before it starts, against what this machine has.
+
+A case with a 30000 × 30000 layer or a batch of 10^8 samples would grow for minutes and then fail
+deep in numpy; ``--world-size 100000`` would start processes until the kernel kills something.
+``check_resources`` refuses such a run up front, in one line with the estimate, unless the user
+says ``--force``.
+
+The estimate is deliberately on the high side and simple enough to state:
+
+- every parameter costs ``BYTES_PER_PARAMETER``: its float64 initial weight drawn from the seed,
+  the model's float32 parameter and ``.grad``, the native and manual float32 copies, the
+  harness's float64 sums E and S, and the judge's copies; the float64 oracle (and the float64
+  whole-batch reference of ``--full-batch``) adds a float64 model with its gradient;
+- every activation element costs ``BYTES_PER_ACTIVATION`` (the output, the copy autograd saves,
+  its gradient, and float64 in the oracle), counted as one micro-batch's rows × the widest layer
+  × the number of layers, plus each attention layer's score matrices; the full-batch check holds
+  all N micro-batches at once;
+- each data-parallel rank is a process holding all of that.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cases import Case
+from .errors import AccumcheckError
+
+BYTES_PER_PARAMETER = 64
+BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, and its result
+BYTES_PER_ACTIVATION = 16
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A run's needs: ``parameters`` elements, ``bytes`` of memory in all, ``processes``."""
+
+    parameters: int
+    activations: int  # elements alive at once in one process
+    bytes: int
+    processes: int
+
+    def describe(self) -> str:
+        ranks = f" on each of {self.processes} ranks" if self.processes > 1 else ""
+        return (f"about {size_text(self.bytes)} ({self.parameters:,} parameters and {self.activations:,} "
+                f"activation elements{ranks})")
+
+
+def estimate(case: Case, accum_steps: int, oracle: bool = False, full_batch: bool = False,
+             world_size: int | None = None) -> Estimate:
+    """What running ``case`` over ``accum_steps`` micro-steps will need (see the module)."""
+    specs = case.parameters()
+    parameters = sum(spec.numel for spec in specs)
+    inp = case.input
+    positions = inp.seq_len if inp.kind == "tokens" else 1
+    rows = inp.batch_size * positions
+    # an embedding's rows are looked up, not computed: its width is its dimension
+    widest = max([inp.features, case.num_classes,
+                  *(spec.shape[-1] if spec.kind == "embedding" else max(spec.shape) for spec in specs)])
+    layers = case.all_layers()
+    activations = rows * widest * (len(layers) + 2)
+    activations += sum(inp.batch_size * layer.options["heads"] * positions * positions
+                       for layer in layers if layer.type == "attention")
+    if full_batch:
+        activations *= accum_steps + 1
+    per_parameter = BYTES_PER_PARAMETER + (BYTES_PER_ORACLE_PARAMETER if oracle or full_batch else 0)
+    ranks = world_size or 1
+    total = ranks * (parameters * per_parameter + activations * BYTES_PER_ACTIVATION)
+    return Estimate(parameters, activations, total, ranks)
+
+
+def check_resources(need: Estimate, what: str, force: bool = False, launched: bool = False) -> None:
+    """Raise AccumcheckError (naming ``what``, the run) when ``need`` has more processes than
+    this machine has cores (unless ``launched``: a launcher already started them) or more memory
+    than is available, unless ``force``."""
+    if force:
+        return
+    cores = cpu_count()
+    if need.processes > 1 and not launched and need.processes > cores:
+        raise AccumcheckError(f"--world-size {need.processes}: more ranks than the {cores} cores here (each rank "
+                              f"is a process); use --world-size {cores} or fewer, or add --force")
+    free = available_memory()
+    if free is not None and need.bytes > free:
+        raise AccumcheckError(f"{what}: needs {need.describe()}, but {size_text(free)} of memory is available; "
+                              "use a smaller case or fewer ranks, or add --force to run anyway")
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the least of the system's available memory, the
+    container's (cgroup v2) limit less its use, and the address-space limit; None where none is
+    known."""
+    found = [_meminfo_available(), _cgroup_room()]
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit != resource.RLIM_INFINITY:
+        found.append(limit)
+    known = [value for value in found if value is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    folder = Path("/sys/fs/cgroup")
+    try:
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((folder / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def size_text(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.0f} bytes"
