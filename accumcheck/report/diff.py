@@ -46,11 +46,15 @@ class ReportDiff:
 
 def diff_reports(a: Report, b: Report, names: tuple[str, str] = ("A", "B")) -> ReportDiff:
     """Tensor-by-tensor verdicts of two reports. Raises AccumcheckError when either is not a
-    single-framework report."""
+    single-framework report, or when they are of different cases (by name and definition)."""
     for name, report in (("A", a), ("B", b)):
         if not isinstance(report, Report):
             raise AccumcheckError(f"diff: report {name} is a {getattr(report, 'kind', 'other')} report; "
                                   "give two single-framework reports (accumcheck compare --format json)")
+    if (a.case, a.case_fingerprint) != (b.case, b.case_fingerprint):
+        raise AccumcheckError(f"diff: {names[0]} is case {a.case!r} ({a.case_fingerprint}) and {names[1]} is case "
+                              f"{b.case!r} ({b.case_fingerprint}); diff compares two runs of one case (other "
+                              "frameworks, steps, seeds or versions)")
     in_b = {t.name: t for t in b.tensors}
     common = [TensorChange(t.name, t.kind, t.verdict, in_b[t.name].verdict, t.ratio, in_b[t.name].ratio)
               for t in a.tensors if t.name in in_b]

@@ -22,15 +22,23 @@ class TrajectoryReport(Serialised):
     band_ratio: dict[str, list[float]]  # tensor kind -> that difference over the round-off band, per step
     first_out_of_band: dict[str, int]  # tensor -> first step whose difference left the band
     oracle_diff: dict[str, list[float]] = field(default_factory=dict)  # kind -> max |native - float64|
+    non_finite: dict[str, int] = field(default_factory=dict)  # "loss (mode)" or tensor -> first non-finite step
     kind: str = "trajectory"
     schema_version: int = SCHEMA_VERSION
 
     @property
     def exit_code(self) -> int:
-        """1 when some tensor left the round-off band, else 0."""
-        return 1 if self.first_out_of_band else 0
+        """1 when some tensor left the round-off band or a loss or parameter became inf or nan,
+        else 0."""
+        return 1 if self.first_out_of_band or self.non_finite else 0
 
     def summary(self) -> str:
+        if self.non_finite:
+            first = min(self.non_finite.values())
+            names = [n for n, s in self.non_finite.items() if s == first]
+            return (f"NON-FINITE at step {first} ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}): "
+                    "training diverged to inf or nan, so native and manual are not compared past it; "
+                    "lower --lr or check the case")
         if not self.first_out_of_band:
             return (f"native and manual stay within one float32 ulp of each other for all {self.steps} "
                     f"{self.optimizer} steps")

@@ -30,6 +30,8 @@ from torch.utils._foreach_utils import (
 
 from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
 from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
+from ...errors import AccumcheckError
+from ...options import positive_float, positive_int
 
 LOG = logging.getLogger("accumcheck.diagnostics")
 
@@ -110,6 +112,8 @@ class GradMonitor:
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG) -> None:
+        log_every, top_k = _checked("log_every", log_every, positive_int), _checked("top_k", top_k, positive_int)
+        clip_threshold = _checked("clip_threshold", clip_threshold, positive_float)
         pairs = named_parameters(source)
         self.names = [n for n, _ in pairs]
         self.params = [p for _, p in pairs]
@@ -251,3 +255,11 @@ def dominance_report(names: Sequence[str], params: Sequence[Any], norms: Any = N
         rms = float(param.detach().double().pow(2).mean().sqrt())
         entries.append(DominanceEntry(names[index], share, float(host[index]), rms, where, value, bad))
     return DominanceReport(step=step, reason=reason, total_norm=total_norm, clip_coef=clip_coef, entries=entries)
+
+
+def _checked(name: str, value: Any, rule: Any) -> Any:
+    """``value`` by ``rule`` (an accumcheck.options rule), or AccumcheckError naming ``name``."""
+    try:
+        return rule(value)
+    except ValueError as exc:
+        raise AccumcheckError(f"GradMonitor: {name}={exc}") from None

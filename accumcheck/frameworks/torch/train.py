@@ -12,6 +12,7 @@ round-off band of one float32 ulp of the tensor's largest parameter.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
     ratios: dict[str, list[float]] = {k: [] for k in diffs}
     oracle_diff: dict[str, list[float]] = {k: [] for k in diffs} if oracle else {}
     first_out: dict[str, int] = {}
+    non_finite: dict[str, int] = {}
     with deterministic(dev), isolated(dev):
         native = build_model(the_case, weights, torch.float32, dev)
         manual = build_model(the_case, weights, torch.float32, dev)
@@ -60,20 +62,36 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
         opt_twin = make(twin.parameters(), lr=lr) if twin is not None else None
         for k in range(steps):
             # An injected fault hits micro-step N//2 of every optimizer step.
-            result = accumulate(native.canonical, step_loss(native, k), n, fault, None, "native")
-            losses["native"].append(result["loss"])
-            opt_native.step()
-            losses["manual"].append(_manual_step(manual, step_loss(manual, k), n))
-            opt_manual.step()
-            if twin is not None:
-                losses.setdefault("float64", []).append(
-                    accumulate(twin.canonical, step_loss(twin, k), n, None, None, "float64")["loss"])
-                opt_twin.step()
+            try:
+                result = accumulate(native.canonical, step_loss(native, k), n, fault, None, "native")
+                losses["native"].append(result["loss"])
+                opt_native.step()
+                losses["manual"].append(_manual_step(manual, step_loss(manual, k), n))
+                opt_manual.step()
+                if twin is not None:
+                    losses.setdefault("float64", []).append(
+                        accumulate(twin.canonical, step_loss(twin, k), n, None, None, "float64")["loss"])
+                    opt_twin.step()
+            except RuntimeError as exc:
+                if "overflow" not in str(exc):
+                    raise
+                # torch refuses an update past float32's range (Adam's lr / bias correction): the
+                # run has left finite numbers at this step; the steps after it are not run
+                non_finite.setdefault("optimizer update (overflow)", k)
+                break
+            for mode, trace in losses.items():
+                if not math.isfinite(trace[-1]):
+                    non_finite.setdefault(f"loss ({mode})", k)
             per_kind: dict[str, float] = {}
             per_ratio: dict[str, float] = {}
+            broken: set[str] = set()  # kinds with a non-finite tensor: their figures are nan
             per_oracle: dict[str, float] = {}
             for name, p in native.canonical.items():
                 a, b = p.detach().double(), manual.canonical[name].detach().double()
+                if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                    non_finite.setdefault(name, k)
+                    broken.add(kinds[name])
+                    continue  # a difference of inf or nan is no distance from the band
                 diff = float((a - b).abs().max())
                 band = float(np.spacing(np.float32(a.abs().max())))
                 kind = kinds[name]
@@ -85,15 +103,18 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
                     gap = float((a - twin.canonical[name].detach()).abs().max())
                     per_oracle[kind] = max(per_oracle.get(kind, 0.0), gap)
             for kind in diffs:
-                diffs[kind].append(per_kind.get(kind, 0.0))
-                ratios[kind].append(per_ratio.get(kind, 0.0))
+                diffs[kind].append(math.nan if kind in broken else per_kind.get(kind, 0.0))
+                ratios[kind].append(math.nan if kind in broken else per_ratio.get(kind, 0.0))
                 if twin is not None:
                     oracle_diff[kind].append(per_oracle.get(kind, 0.0))
             if progress is not None:
                 progress("train", k + 1, steps)
+    for trace in [*losses.values(), *diffs.values(), *ratios.values(), *oracle_diff.values()]:
+        trace.extend([math.nan] * (steps - len(trace)))  # the steps not run, after an overflow
     return TrajectoryReport(case=the_case.name, optimizer=optimizer, lr=lr, accum_steps=n, steps=steps,
                             inject=None if fault is None else str(fault), versions=versions, losses=losses,
-                            max_diff=diffs, band_ratio=ratios, first_out_of_band=first_out, oracle_diff=oracle_diff)
+                            max_diff=diffs, band_ratio=ratios, first_out_of_band=first_out, oracle_diff=oracle_diff,
+                            non_finite=non_finite)
 
 
 def _manual_step(model: Any, step_loss: Any, accum_steps: int) -> float:
