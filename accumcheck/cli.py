@@ -23,7 +23,7 @@ from .files import check_output_file, check_output_folder, safe_file_name, write
 from .launch import launched_rank, launched_world_size
 from .options import RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
 from .registry import backend_names, backend_options
-from .render import FORMATS, render, render_console
+from .render import FORMATS, render, render_console, table_text
 from .render.plots import figures, growth, save, save_plot
 from .render.table import cases_table
 from .render.text import one_line
@@ -190,6 +190,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _diff(args: argparse.Namespace) -> int:
     diff = diff_reports(load_report(args.report_a), load_report(args.report_b), (args.report_a, args.report_b))
+    _drawable(diff, args.format, f"{args.report_a} and {args.report_b}")
     if args.format == "markdown":
         sys.stdout.write(render(diff, "markdown"))
     else:
@@ -205,8 +206,23 @@ def _cases(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     _check_outputs(args)
     report = load_report(args.report)
+    _drawable(report, args.format, args.report)
     _emit(report, args)
     return report.exit_code
+
+
+def _drawable(report: Any, fmt: str, source: str) -> None:
+    """Draw a report read from a file once, off screen: a file whose fields are each of the right
+    type but do not fit together (edited by hand, or cut short) is refused in one line before
+    anything is printed."""
+    try:
+        render(report, fmt) if fmt != "table" else table_text(report)
+    except AccumcheckError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the drawing trips on, the file is the cause
+        raise AccumcheckError(f"{source}: its fields do not fit together, so it cannot be shown "
+                              f"({type(exc).__name__}: {_first_line(exc)}); pass a report as accumcheck wrote it "
+                              f"(if it is one, this is a bug: {_save_traceback()})") from None
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

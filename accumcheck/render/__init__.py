@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..report import CrossReport, Report, ReportDiff, SweepReport
+from ..errors import AccumcheckError
+from ..report import CrossReport, Report, ReportDiff, SweepReport, TrajectoryReport
 from .csvfile import csv_rows
 from .html import html_report
 from .markdown import cross_markdown, diff_markdown, markdown, sweep_markdown
@@ -17,10 +18,18 @@ from .table import render_console, table_text
 
 FORMATS = ("table", "json", "markdown", "csv", "html")
 _MARKDOWN = {Report: markdown, CrossReport: cross_markdown, SweepReport: sweep_markdown, ReportDiff: diff_markdown}
+# The kinds not drawn in every format, and the formats they are drawn in.
+_ONLY = {TrajectoryReport: ("table", "json"), ReportDiff: ("table", "markdown")}
+_KIND_NAMES = {TrajectoryReport: "a trajectory report", ReportDiff: "a diff"}
 
 
 def render(report: Any, fmt: str) -> str:
-    """The report (of any kind) as text in ``fmt``, one of FORMATS."""
+    """The report (of any kind) as text in ``fmt``, one of FORMATS. Raises AccumcheckError for a
+    format this kind of report is not drawn in."""
+    only = _ONLY.get(type(report))
+    if only is not None and fmt not in only:
+        raise AccumcheckError(f"--format {fmt}: {_KIND_NAMES[type(report)]} is written as {' or '.join(only)}; "
+                              f"use --format {only[0]}")
     if fmt == "json":
         return report.to_json()
     if fmt == "markdown":

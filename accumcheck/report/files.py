@@ -24,12 +24,12 @@ def report_from_data(data: Any, source: str = "<report>") -> Any:
     if not isinstance(data, dict):
         raise AccumcheckError(f"{source}: not an accumcheck report (top level is not an object)")
     version = data.get("schema_version")
-    if version not in (1, SCHEMA_VERSION):
+    if type(version) is not int or version not in (1, SCHEMA_VERSION):
         raise AccumcheckError(f"{source}: report schema_version {version!r} is not supported "
                               f"(this accumcheck reads versions 1 and {SCHEMA_VERSION}); "
                               "re-run the comparison with this version")
     kind = data.get("kind", "report")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise AccumcheckError(f"{source}: unknown report kind {kind!r} (known: {', '.join(KINDS)})")
     try:
         report = KINDS[kind].from_dict(data, source)
