@@ -405,3 +405,23 @@ def test_compare_logs_both_modes_layer_norms(tmp_path):
     native = events.Scalars("grad_norm_native/embed")[0]
     manual = events.Scalars("grad_norm_manual/embed")[0]
     assert native.step == 4 and native.value != manual.value  # the injected fault shows in the norm
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"log_every": 0}, "GradMonitor: log_every=0 is not a positive integer"),
+    ({"log_every": -5}, "GradMonitor: log_every=-5 is not a positive integer"),
+    ({"log_every": 2.5}, "GradMonitor: log_every=2.5 is not a positive integer"),
+    ({"top_k": 0}, "GradMonitor: top_k=0 is not a positive integer"),
+    ({"clip_threshold": 0}, "GradMonitor: clip_threshold=0 is not a positive number"),
+    ({"clip_threshold": float("nan")}, "GradMonitor: clip_threshold=nan is not a positive number"),
+])
+def test_bad_arguments_are_refused_when_the_monitor_is_made(argument, message):
+    """Not mid-training: log_every=0 used to pass, then divide by zero at the first step."""
+    with pytest.raises(AccumcheckError) as info:
+        GradMonitor(Blocks(), **argument)
+    assert str(info.value).startswith(message), info.value
+
+
+def test_the_monitor_takes_the_usual_arguments_as_they_are():
+    monitor = GradMonitor(Blocks(), log_every=3, top_k=2, clip_threshold=0.5)
+    assert (monitor.log_every, monitor.top_k, monitor.clip_threshold) == (3, 2, 0.5)
