@@ -1,19 +1,17 @@
 """Runs that cannot fit are refused before they start: within seconds and a few hundred MB, as
 measured on a fresh child process (its peak resident memory, from wait4).
 
-Each child runs with an address-space limit of 8 GiB, a small machine: what accumcheck estimates
+Each measured process runs with an address-space limit of 8 GiB, a small machine: what accumcheck estimates
 is held against the least of the memory available and that limit, so the refusals below hold on
 any machine, however large.
 """
 
 from __future__ import annotations
 
-import os
-import resource
+import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -24,30 +22,34 @@ FEW_HUNDRED_MB = 500 << 20
 FEW_SECONDS = 30  # the unbounded runs these replace took minutes, or never ended
 
 
+# A small launcher between this test process and the measured one. The peak resident memory the
+# kernel reports for a process carries over an exec from the memory it was forked (or vforked)
+# from, so a child started straight from pytest (with torch loaded) would report pytest's peak.
+_LAUNCHER = """
+import json, os, resource, sys, time
+limit, argv = int(sys.argv[1]), sys.argv[2:]
+started = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.execv(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+print(json.dumps({"code": os.waitstatus_to_exitcode(status), "peak": usage.ru_maxrss * 1024,
+                  "seconds": time.perf_counter() - started}))
+"""
+
+
 def _peak_of(argv: list[str], cwd: Path) -> tuple[int, str, float, int]:
-    """(exit code, stderr, seconds, peak resident bytes) of ``argv`` run under LIMIT: the peak of
-    this child alone (wait4 on its pid, not the maximum over every child so far)."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
-
-    started = time.perf_counter()
-    with open(cwd / "stderr.txt", "w+") as err:
-        child = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit)
-        deadline = started + 120
-        while True:
-            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                child.kill()
-                os.wait4(child.pid, 0)
-                pytest.fail(f"{argv[1:]} ran for two minutes instead of being refused")
-            time.sleep(0.05)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        text = err.read()
-    return child.returncode, text, time.perf_counter() - started, usage.ru_maxrss * 1024
+    """(exit code, stderr, seconds, peak resident bytes) of ``argv`` run under LIMIT in a fresh
+    process of its own."""
+    try:
+        done = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, str(LIMIT), *argv], cwd=cwd,
+                              capture_output=True, text=True, timeout=120, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{argv[1:]} ran for two minutes instead of being refused")
+    figures = json.loads(done.stdout)
+    return figures["code"], done.stderr, figures["seconds"], figures["peak"]
 
 
 def _case(tmp_path: Path, name: str, batch: int, units: int) -> str:
