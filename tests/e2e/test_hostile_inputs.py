@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -439,3 +440,30 @@ def test_nothing_in_the_folder_changed_kind(place):
     assert stat.S_ISFIFO(os.lstat(place / "fifo").st_mode)
     assert (place / "afile").read_text() == "not a folder\n"
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("command", [["compare", "--case", "tiny-grads", "--accum-steps", "2"],
+                                     ["sweep", "--case", "tiny-grads", "--accum-steps", "2"],
+                                     ["train", "--case", "tiny-grads", "--accum-steps", "2", "--steps", "1"]])
+def test_an_internal_error_exits_3_in_one_line_with_its_traceback_saved(command, tmp_path, monkeypatch, capsys):
+    """A bug in accumcheck (here: the run raising ZeroDivisionError) is never exit 1, a finding."""
+    import tempfile
+
+    import accumcheck.api
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def bug(*args, **kwargs):
+        return 1 / 0
+
+    for name in ("run", "_report", "get_backend"):
+        monkeypatch.setattr(accumcheck.api, name, bug)
+    code = main(command)
+    out, err = capsys.readouterr()
+    assert code == 3, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "internal error (ZeroDivisionError: division by zero); this is not an accumulation finding" in err
+    saved = re.search(r"the full traceback is in (\S+);", err)
+    assert saved and Path(saved.group(1)).parent == tmp_path, err
+    text = Path(saved.group(1)).read_text()
+    assert "Traceback (most recent call last)" in text and "ZeroDivisionError" in text
