@@ -59,6 +59,8 @@ class RunConfig:
                       seed=self.case.seed, inject=None if self.fault is None else self.fault.target)
         if self.full_batch:  # the normalisation is what a full-batch check is about: say it
             values["loss_reduction"] = self.case.loss_reduction
+        if not self.force:  # a setting of the machine's limits, not of the run: kept only when it was needed
+            del values["force"]
         values["backend_options"] = dict(self.backend_options)
         return values
 
