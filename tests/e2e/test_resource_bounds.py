@@ -9,6 +9,8 @@ any machine, however large.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -43,13 +45,16 @@ print(json.dumps({"code": os.waitstatus_to_exitcode(status), "peak": usage.ru_ma
 def _peak_of(argv: list[str], cwd: Path) -> tuple[int, str, float, int]:
     """(exit code, stderr, seconds, peak resident bytes) of ``argv`` run under LIMIT in a fresh
     process of its own."""
+    launcher = subprocess.Popen([sys.executable, "-S", "-c", _LAUNCHER, str(LIMIT), *argv], cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, str(LIMIT), *argv], cwd=cwd,
-                              capture_output=True, text=True, timeout=120, start_new_session=True)
+        out, err = launcher.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{argv[1:]} ran for two minutes instead of being refused")
-    figures = json.loads(done.stdout)
-    return figures["code"], done.stderr, figures["seconds"], figures["peak"]
+        os.killpg(launcher.pid, signal.SIGKILL)  # the measured process and whatever it started
+        launcher.communicate()
+        pytest.fail(f"{argv[1:]} ran for a minute instead of being refused")
+    figures = json.loads(out)
+    return figures["code"], err, figures["seconds"], figures["peak"]
 
 
 def _case(tmp_path: Path, name: str, batch: int, units: int) -> str:

@@ -72,6 +72,7 @@ def test_links_fifos_and_devices_are_left_as_they_are(command, target, outputs, 
         command = [command[0], "--case", str(outputs / "lin.toml"), *command[1:]]
     code, out, err = _run([*command, "--output", str(outputs / target)], capsys)
     assert code == 2 and "replaces only regular files" in err, (out, err)
+    assert "saved to" not in err and not out, (out, err)  # refused before the run, not after it
     assert _tree(outputs) == before
     assert (outputs / "target.json").read_text() == "keep me\n"
     assert stat.S_ISFIFO(os.lstat(outputs / "fifo").st_mode)
