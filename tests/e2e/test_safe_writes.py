@@ -68,6 +68,7 @@ def test_links_fifos_and_devices_are_left_as_they_are(command, target, outputs, 
                      str(outputs / "r.json")]) == 0
         command = ["show", str(outputs / "r.json")]
         before = _tree(outputs)
+        capsys.readouterr()
     else:
         command = [command[0], "--case", str(outputs / "lin.toml"), *command[1:]]
     code, out, err = _run([*command, "--output", str(outputs / target)], capsys)
