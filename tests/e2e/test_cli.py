@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import sys
 
 import pytest
 from conftest import HAS_TORCH, needs_torch, run_cli
@@ -155,3 +156,17 @@ def test_a_missing_framework_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mxnet" else real(name, *a))
     with pytest.raises(accumcheck.AccumcheckError, match=r"mxnet is not installed; pip install 'accumcheck\[mxnet\]'"):
         get_backend("mxnet")
+
+
+def test_a_long_run_shows_the_time_left_on_a_terminal(monkeypatch):
+    """The progress bar (on a terminal, after a second) estimates the time left, not only the time spent."""
+    from rich.progress import TimeRemainingColumn
+
+    from accumcheck.cli import _LazyProgress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = _LazyProgress()
+    bar.started -= bar.DELAY_S
+    with bar as update:
+        update("native + manual", 1, 100)
+        assert any(isinstance(column, TimeRemainingColumn) for column in bar.progress.columns)
