@@ -73,14 +73,15 @@ def estimate(case: Case, accum_steps: int, oracle: bool = False, full_batch: boo
 
 def check_resources(need: Estimate, what: str, force: bool = False, launched: bool = False) -> None:
     """Raise AccumcheckError (naming ``what``, the run) when ``need`` has more processes than
-    this machine has cores (unless ``launched``: a launcher already started them) or more memory
-    than is available, unless ``force``."""
+    this machine has cores (two at least; unless ``launched``: a launcher already started them)
+    or more memory than is available, unless ``force``."""
     if force:
         return
     cores = cpu_count()
-    if need.processes > 1 and not launched and need.processes > cores:
+    ranks = max(cores, 2)  # two ranks are what a data-parallel check needs, even on one core
+    if need.processes > ranks and not launched:
         raise AccumcheckError(f"--world-size {need.processes}: more ranks than the {cores} cores here (each rank "
-                              f"is a process); use --world-size {cores} or fewer, or add --force")
+                              f"is a process); use --world-size {ranks} or fewer, or add --force")
     free = available_memory()
     if free is not None and need.bytes > free:
         raise AccumcheckError(f"{what}: needs {need.describe()}, but {size_text(free)} of memory is available; "
