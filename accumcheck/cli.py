@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from . import api
 from .casefile import builtin_cases
 from .errors import AccumcheckError
-from .files import check_output_file, check_output_folder, safe_file_name, write_or_rescue
+from .files import check_output_file, check_output_folder, write_or_rescue
 from .launch import launched_rank, launched_world_size
 from .options import RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
 from .registry import backend_names, backend_options
@@ -258,10 +258,10 @@ def _plots(reports: list[Report], folder: str, growth_of: list[Report] | None = 
     written = []
     try:
         for r in reports:
-            written += save(figures(r), folder, safe_file_name(f"{r.case}-{r.framework}-N{r.accum_steps}"))
+            written += save(figures(r), folder, f"{r.case}-{r.framework}-N{r.accum_steps}")
         if growth_of is not None:
             first = growth_of[0]
-            written += save({"growth": growth(growth_of)}, folder, safe_file_name(f"{first.case}-{first.framework}-sweep"))
+            written += save({"growth": growth(growth_of)}, folder, f"{first.case}-{first.framework}-sweep")
     except OSError as exc:
         raise AccumcheckError(f"--plot {folder}: cannot draw the plots there ({exc.strerror}); the report above "
                               "is complete") from None
