@@ -40,8 +40,8 @@ def read_text(path: str | Path, what: str, limit: int) -> str:
     except OSError as exc:
         raise AccumcheckError(f"{path}: cannot read {what}: {exc.strerror}") from None
     if len(data) > limit:
-        raise AccumcheckError(f"{path}: larger than any {what} ({_size(max(info.st_size, len(data)))}; "
-                              f"at most {_size(limit)}); give a {what}")
+        raise AccumcheckError(f"{path}: larger than any {what} ({size_text(max(info.st_size, len(data)))}; "
+                              f"at most {size_text(limit)}); give a {what}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -161,9 +161,10 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _size(n: int) -> str:
+def size_text(n: float) -> str:
+    """A number of bytes as people read it: 300.0 MiB."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} bytes"
+    return f"{n:.1f} GiB"

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .cases import Case
 from .errors import AccumcheckError
+from .files import size_text
 
 BYTES_PER_PARAMETER = 64
 BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, and its result
@@ -127,11 +128,3 @@ def _cgroup_room() -> int | None:
         return int(limit) - int((folder / "memory.current").read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def size_text(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.0f} bytes"
