@@ -23,7 +23,7 @@ from .files import check_output_file, check_output_folder, write_or_rescue
 from .launch import launched_rank, launched_world_size
 from .options import RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
 from .registry import backend_names, backend_options
-from .render import FORMATS, render, render_console, table_text
+from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
 from .render.table import cases_table
 from .render.text import one_line
@@ -206,17 +206,16 @@ def _cases(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     _check_outputs(args)
     report = load_report(args.report)
-    _drawable(report, args.format, args.report)
-    _emit(report, args)
+    _emit(report, args, _drawable(report, args.format, args.report))
     return report.exit_code
 
 
-def _drawable(report: Any, fmt: str, source: str) -> None:
-    """Draw a report read from a file once, off screen: a file whose fields are each of the right
-    type but do not fit together (edited by hand, or cut short) is refused in one line before
-    anything is printed."""
+def _drawable(report: Any, fmt: str, source: str) -> str:
+    """A report read from a file, drawn off screen in ``fmt``: a file whose fields are each of the
+    right type but do not fit together (edited by hand, or cut short) is refused in one line
+    before anything is printed."""
     try:
-        render(report, fmt) if fmt != "table" else table_text(report)
+        return render(report, fmt)
     except AccumcheckError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the drawing trips on, the file is the cause
@@ -242,14 +241,16 @@ def _console() -> Any:
     return Console(width=None if sys.stdout.isatty() else 120)
 
 
-def _emit(report: Any, args: argparse.Namespace) -> None:
-    if args.output is None:
-        if args.format == "table":
-            render_console(report, _console())
-        else:
-            sys.stdout.write(render(report, args.format))
+def _emit(report: Any, args: argparse.Namespace, text: str | None = None) -> None:
+    """Print the report, or write it to --output; ``text``: its rendering in --format, if made."""
+    if args.output is None and args.format == "table":
+        render_console(report, _console())  # drawn for the terminal: its width, its colours
         return
-    write_or_rescue("--output", args.output, render(report, args.format))
+    text = render(report, args.format) if text is None else text
+    if args.output is None:
+        sys.stdout.write(text)
+        return
+    write_or_rescue("--output", args.output, text)
     print(one_line(report))
     print(f"report written to {args.output}")
 
