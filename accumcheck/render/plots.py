@@ -56,7 +56,8 @@ def scatter(report: Report) -> Any:
     extra = f"; {len(zero)} exact tensor(s) not drawn" if zero else ""
     ax.set_title(f"{report.case}, {report.framework}, N = {report.accum_steps}: error against bound{extra}")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="upper left")
+    if points:  # every tensor exact: nothing drawn, nothing to label (matplotlib would warn on stderr)
+        ax.legend(loc="upper left")
     return fig
 
 
