@@ -37,18 +37,24 @@ class StepRecorder:
         self.reduce_step = reduce_step
         first = next(iter(params.values()))
         total = sum(p.numel() for p in params.values())
+        step_dtype = first.dtype
+        for p in params.values():  # a model of mixed dtypes: a step buffer that holds each exactly
+            step_dtype = torch.promote_types(step_dtype, p.dtype)
         self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
         self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
-        self.step = torch.empty(total, dtype=first.dtype, device=first.device)
+        self.step = torch.empty(total, dtype=step_dtype, device=first.device)
         self.grads: dict[str, Any] = {}
+        self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
 
     def flush(self) -> None:
         """Add the step just finished into manual, E and S."""
         grads = self.grads
         if len(grads) < len(self.params):  # a parameter unused in this micro-step
             for name, p in self.params.items():
-                grads.setdefault(name, torch.zeros_like(p))
+                if name not in grads:
+                    self.missing[name] = self.missing.get(name, 0) + 1
+                    grads[name] = torch.zeros_like(p)
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
         if self.reduce_step is not None:
@@ -70,6 +76,17 @@ class StepRecorder:
             out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
             offset += p.numel()
         return out
+
+
+def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:
+    """Micro-step ``step`` of the faulted parameter into the GradAccumulator's buffer, as the
+    fault has it (in the buffer's dtype: a fault on a bfloat16 gradient would round away)."""
+    grad = torch.zeros_like(param, dtype=accumulator.dtype) if param.grad is None else param.grad.to(accumulator.dtype)
+    param.grad = None
+    accumulator.add_to(index, injector.contribution(step, grad, accumulator.total(index) if step else None))
+    replaced = injector.after_add(step, accumulator.total(index))
+    if replaced is not None:
+        accumulator.replace(index, replaced)
 
 
 def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None, progress: Progress | None,
@@ -98,17 +115,23 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
     (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
     the manual buffer adds (its all-reduced mean). Returns {"buffers": name -> (manual, exact, absum),
-    "native": name -> accumulated .grad, "loss": mean loss}."""
+    "native": name -> accumulated .grad, "loss": mean loss, "steps_with_grad": name -> micro-steps
+    with a gradient, for the parameters that missed some}."""
     recorder = StepRecorder(params, accum_dtype, reduce_step)
     handles = []
     state = {"step": 0}
     injector = None
     if fault is not None:
         injector = FaultInjector(fault, accum_steps, lambda t: t.to(torch.bfloat16).to(t.dtype))
+    accumulator = None
+    if mode != "native":
+        accumulator = GradAccumulator(params.values(), compensated=mode == "compensated")
+    target = list(params).index(fault.param) if fault is not None else -1
 
     for name, param in params.items():
         param.grad = None
-        if injector is None or fault.param != name:
+        # With a GradAccumulator the fault acts on its float32 buffer (below), not on .grad.
+        if injector is None or fault.param != name or accumulator is not None:
             # A C-level callable: the hook costs no Python frame inside the backward pass.
             handles.append(param.register_hook(functools.partial(recorder.grads.__setitem__, name)))
             continue
@@ -129,9 +152,6 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
 
     first = next(iter(params.values()))
     loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
-    accumulator = None
-    if mode != "native":
-        accumulator = GradAccumulator(params.values(), compensated=mode == "compensated")
     try:
         for step in range(accum_steps):
             state["step"] = step
@@ -140,6 +160,8 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
                 loss.backward()
             recorder.flush()
             if accumulator is not None:
+                if injector is not None:
+                    _inject_into(accumulator, target, injector, step, params[fault.param])
                 accumulator.add()
             loss_sum += loss.detach()
             if progress is not None:
@@ -151,4 +173,5 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
         native = dict(zip(params, accumulator.totals()))
     else:
         native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
-    return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps}
+    return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps,
+            "steps_with_grad": {name: accum_steps - missed for name, missed in recorder.missing.items()}}

@@ -38,22 +38,36 @@ class GradAccumulator:
             for i, p in enumerate(self.params):
                 if p.grad is None:
                     continue
-                grad = p.grad.to(self.dtype)
-                if self.carries is None:
-                    self.sums[i].add_(grad)
-                else:  # Neumaier: keep what each addition rounds away
-                    total = self.sums[i] + grad
-                    lost = torch.where(self.sums[i].abs() >= grad.abs(), (self.sums[i] - total) + grad,
-                                       (grad - total) + self.sums[i])
-                    self.carries[i].add_(lost)
-                    self.sums[i].copy_(total)
+                self.add_to(i, p.grad)
                 p.grad = None
+
+    def add_to(self, index: int, grad: Any) -> None:
+        """Add ``grad`` into parameter ``index``'s buffer."""
+        with torch.no_grad():
+            grad = grad.to(self.dtype)
+            if self.carries is None:
+                self.sums[index].add_(grad)
+                return
+            # Neumaier: keep what each addition rounds away
+            total = self.sums[index] + grad
+            lost = torch.where(self.sums[index].abs() >= grad.abs(), (self.sums[index] - total) + grad,
+                               (grad - total) + self.sums[index])
+            self.carries[index].add_(lost)
+            self.sums[index].copy_(total)
 
     def totals(self) -> list[Any]:
         """The accumulated gradients, in the buffer dtype."""
-        if self.carries is None:
-            return list(self.sums)
-        return [s + c for s, c in zip(self.sums, self.carries)]
+        return [self.total(i) for i in range(len(self.sums))]
+
+    def total(self, index: int) -> Any:
+        """The accumulated gradient of parameter ``index`` so far, in the buffer dtype."""
+        return self.sums[index] if self.carries is None else self.sums[index] + self.carries[index]
+
+    def replace(self, index: int, total: Any) -> None:
+        """Set parameter ``index``'s accumulated gradient to ``total`` (its carry to zero)."""
+        self.sums[index].copy_(total)
+        if self.carries is not None:
+            self.carries[index].zero_()
 
     def apply(self) -> None:
         """Write the accumulated gradients into ``.grad``, in each parameter's dtype."""

@@ -142,3 +142,28 @@ def test_a_module_gives_its_parameters():
     model = torch.nn.Linear(3, 2)
     acc = GradAccumulator(model)
     assert [tuple(s.shape) for s in acc.sums] == [(2, 3), (2,)]
+
+
+@pytest.mark.parametrize("mode", ["accumulator", "compensated"])
+@pytest.mark.parametrize("fault", ["drop-step", "double-step", "scale", "bf16"])
+def test_every_fault_reaches_the_accumulator_buffer(mode, fault):
+    """In these modes the native slot is the GradAccumulator: each fault acts on its buffer
+    (a double-step adds its running total again; bf16 rounds its total), on bfloat16 parameters
+    too, where the same fault applied to a bfloat16 .grad would round away."""
+    for dtype in ("float32", "bfloat16"):
+        report = accumcheck.compare("padded-tokens", accum_steps=8, mode=mode, dtype=dtype,
+                                    inject=f"{fault}:fc1.weight")
+        assert [t.name for t in report.flagged] == ["fc1.weight"], (dtype, fault)
+    control = accumcheck.compare("padded-tokens", accum_steps=8, mode=mode, inject="roundoff:fc1.weight")
+    assert control.exit_code == 0
+
+
+def test_add_to_and_replace_reach_one_buffer():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    acc = GradAccumulator(params, compensated=True)
+    acc.add_to(1, torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    acc.add_to(1, torch.tensor([1e-8, 0.0]))
+    assert acc.sums[1].tolist() == [1.0, 2.0] and acc.total(0).tolist() == [0, 0, 0]
+    assert acc.carries[1].tolist() == pytest.approx([1e-8, 0.0], rel=1e-6)  # what float32 rounded away
+    acc.replace(1, torch.tensor([5.0, 6.0]))
+    assert acc.total(1).tolist() == [5.0, 6.0] and acc.carries[1].tolist() == [0.0, 0.0]
