@@ -2,11 +2,14 @@
 
 ``statistics`` (the compiled per-tensor pass), ``ratio`` (the one bound ratio), ``verdicts``
 (tensor verdicts and the Report), ``dataparallel`` (ranks and the single-process reference),
-``agreement`` (two frameworks). Nothing here imports a deep-learning framework.
+``agreement`` (two frameworks), ``fullbatch`` (the accumulated gradient against the whole
+batch's: equivalent, a constant factor, or a weighting). Nothing here imports a deep-learning
+framework.
 """
 
 from .agreement import agreement, forward_agreement
-from .verdicts import ILL_CONDITIONED, SEMANTIC_TOLERANCE, build_report, compare_tensor
+from .fullbatch import FACTOR_TOLERANCE, SEMANTIC_TOLERANCE, full_batch_verdict
+from .verdicts import ILL_CONDITIONED, build_report, compare_tensor
 
-__all__ = ["ILL_CONDITIONED", "SEMANTIC_TOLERANCE", "agreement", "build_report", "compare_tensor",
-           "forward_agreement"]
+__all__ = ["FACTOR_TOLERANCE", "ILL_CONDITIONED", "SEMANTIC_TOLERANCE", "agreement", "build_report", "compare_tensor",
+           "forward_agreement", "full_batch_verdict"]

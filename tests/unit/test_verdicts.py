@@ -1,6 +1,7 @@
 """accumcheck.judge.verdicts: each verdict at its boundary, and everything build_report records
 from a run (framework-free: RunResults made by hand)."""
 
+import dataclasses
 import datetime as dt
 import hashlib
 
@@ -10,7 +11,7 @@ from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.bounds import ModeBound
 from accumcheck.casefile import builtin_case
 from accumcheck.faults import Fault
-from accumcheck.judge import build_report, compare_tensor
+from accumcheck.judge import build_report, compare_tensor, full_batch_verdict
 from accumcheck.judge.dataparallel import Candidate, RankChecks
 from accumcheck.report import FullBatchResult
 from accumcheck.version import __version__
@@ -110,7 +111,7 @@ def test_the_report_records_the_case_the_run_and_the_options():
     case = builtin_case("shared-weight").with_seed(7)
     run = run_of(param("w", [3.0, 4.0], oracle=[3.0, 4.5]), param("b", [1.0], kind="bias"),
                  native_kernel_allowance=4.0, losses={"native": 0.5}, settings={"threads": 1}, notes=["a note"],
-                 full_batch=FullBatchGap("mean", "1/N", 1e-9, "w"))
+                 full_batch=FullBatchGap("mean", "1/N", {"w": np.array([1e9 + 1, 0.0])}, {"w": np.array([1e9, 0.0])}))
     config = {"case": "shared-weight", "accum_steps": 4}
     before = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     report = build_report(case, run, 4, Fault("scale", "w", 2), True, 1.23456, config)
@@ -129,7 +130,8 @@ def test_the_report_records_the_case_the_run_and_the_options():
     created = dt.datetime.fromisoformat(report.created)
     assert created.utcoffset() == dt.timedelta(0) and created.microsecond == 0
     assert before <= created <= dt.datetime.now(dt.timezone.utc)
-    assert report.full_batch == FullBatchResult("mean", "1/N", 1e-9, "w", True, 1e-9)  # at the tolerance: same
+    assert report.full_batch == full_batch_verdict(run.full_batch, 4)
+    assert head(report.full_batch) == ("mean", "1/N", 1e-9, "w", True, 1e-9)  # at the tolerance: same
     assert report.data_parallel is None
     w, b = report.tensors
     assert (w.name, w.kind, b.name, b.kind) == ("w", "weight", "b", "bias")
@@ -147,9 +149,15 @@ def test_a_user_model_report_names_the_model():
 
 
 def test_a_full_batch_gap_past_the_tolerance_is_not_equivalent():
-    run = run_of(param("w", [1.0]), full_batch=FullBatchGap("sum", "1", 2e-9, "w"))
-    report = build_report(builtin_case("shared-weight"), run, 2, None, False, 0.0)
-    assert report.full_batch == FullBatchResult("sum", "1", 2e-9, "w", False, 1e-9)
+    gap = FullBatchGap("sum", "1", {"w": np.array([1e9 + 2, 0.0])}, {"w": np.array([1e9, 0.0])})
+    report = build_report(builtin_case("shared-weight"), run_of(param("w", [1.0]), full_batch=gap), 2, None, False,
+                          0.0)
+    assert head(report.full_batch) == ("sum", "1", 2e-9, "w", False, 1e-9)
+
+
+def head(result: FullBatchResult) -> tuple:
+    """The fields a full-batch result had before it named its factor."""
+    return dataclasses.astuple(result)[:6]
 
 
 def test_each_tensor_gets_its_share_of_the_sum_of_squares():

@@ -9,17 +9,16 @@ import numpy as np
 import torch
 
 from ...backend import FullBatchGap, Progress
-from ...cases import Case
+from ...cases import IGNORE_LABEL, Case
 from .accumulate import case_sums
-from .model import build_model, case_loss, to_inputs
+from .model import build_model, case_loss, to_inputs, to_numpy
 
 
 def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int, dev: Any,
                    progress: Progress | None = None) -> FullBatchGap:
-    """The largest difference between the accumulated gradient and the whole batch's, relative
-    to the full-batch gradient's largest element, and the tensor where it is. With a "mean" loss
-    the accumulated sum is divided by N, as training code does; "sum" and "token_count" compare
-    as they are."""
+    """The accumulated gradient and the whole batch's, both float64 numpy arrays per parameter,
+    and the labelled tokens of each micro-batch. With a "mean" loss the accumulated sum is
+    divided by N, as training code does; "sum" and "token_count" compare as they are."""
     micro = case_sums(case, build_model(case, weights, torch.float64, dev), accum_steps, dev, None, progress,
                       "float64 micro-batches")["native"]
     batches = [case.batch(k) for k in range(accum_steps)]  # the whole batch at once: memory grows with N
@@ -28,10 +27,9 @@ def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int,
     model = build_model(case, weights, torch.float64, dev)
     whole = case if case.loss_reduction != "token_count" else case.with_reduction("mean")
     case_loss(whole, model(inputs), labels).backward()
+    # scaled in place, and shared with numpy on the CPU: no third float64 copy of the model
     scale = 1.0 / accum_steps if case.loss_reduction == "mean" else 1.0
-    full = {name: p.grad for name, p in model.canonical.items()}
-    top = max(float(g.abs().max()) for g in full.values()) or 1.0
-    gaps = {name: float((micro[name] * scale - full[name]).abs().max()) / top for name in full}
-    worst = max(gaps, key=gaps.get)
     return FullBatchGap(normalisation=case.loss_reduction, accumulated_scaled_by="1/N" if scale != 1.0 else "1",
-                        max_relative_difference=gaps[worst], worst_tensor=worst)
+                        accumulated={name: to_numpy(micro[name].mul_(scale)) for name in model.canonical},
+                        full={name: to_numpy(p.grad) for name, p in model.canonical.items()},
+                        item_counts=[int((b.labels != IGNORE_LABEL).sum()) for b in batches])

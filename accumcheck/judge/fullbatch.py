@@ -1,0 +1,223 @@
+"""The full-batch check's verdict: is the accumulated gradient A the whole batch's F, and where it
+is not, what it is instead.
+
+A normalisation bug scales every gradient by one constant (a loss divided by N once too often
+gives A = F/N); micro-batches weighted unlike the full batch (per-micro-batch means over
+different numbers of items) give each tensor its own factor. The least-squares factor
+c = <A,F>/<F,F>, over all tensors and per tensor, tells the two apart, and a constant c is named
+when it is one of the run's own numbers (N, the world size, the item counts).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend import FullBatchGap
+from ..report import FullBatchResult
+from ..report.single import factor_text
+
+# float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
+# (how the loss is normalised) is of order one.
+SEMANTIC_TOLERANCE = 1e-9
+# A = cF "within FACTOR_TOLERANCE": the per-tensor factors' spread and the residual |A - cF|/|A|.
+# A true constant leaves only float64 evaluation noise (~1e-15 of the scale, 1e-13 after long
+# sums); micro-batches weighted differently move the factors by their item counts' relative
+# differences, 1e-3 at the least for counts in the hundreds. 1e-6 sits orders of magnitude from
+# both, and also decides whether c equals a candidate such as 1/N.
+FACTOR_TOLERANCE = 1e-6
+
+
+@dataclass
+class FactorFit:
+    """A = cF in least squares: c over all tensors, per tensor, and how far A is from cF."""
+
+    factor: float | None  # None where F is zero everywhere
+    tensor_factors: dict[str, float] = field(default_factory=dict)
+    furthest: str = ""  # the tensor furthest from c: a zero F under a non-zero A is infinitely far
+    spread: float = math.inf
+    residual: float = math.inf
+    furthest_residual: float | None = None
+    accumulated_zero: bool = False
+    finite: bool = True
+
+    @property
+    def constant(self) -> bool:
+        """A = cF within FACTOR_TOLERANCE: every tensor's factor and the residual."""
+        return self.spread <= FACTOR_TOLERANCE and self.residual <= FACTOR_TOLERANCE  # both infinite without c
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A number of the run that a constant factor may equal, and what it means when it does."""
+
+    name: str
+    value: float
+    where: str  # the run's figures, e.g. "N = 4"
+    reason: str
+
+
+def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1) -> FullBatchResult:
+    """Whether ``gap``'s accumulated gradient is the full batch's (within SEMANTIC_TOLERANCE of its
+    largest element), and, where not, the factor between them and what it matches."""
+    difference, worst = largest_difference(gap.accumulated, gap.full)
+    equivalent = difference <= SEMANTIC_TOLERANCE
+    fit = fit_factor(gap.accumulated, gap.full)
+    constant = not equivalent and fit.constant
+    candidates = factor_candidates(accum_steps, world_size, gap.item_counts)
+    match = matching(fit.factor, candidates) if constant else None
+    figures = run_figures(accum_steps, world_size, gap.item_counts)
+    factors = list(fit.tensor_factors.values())
+    return FullBatchResult(
+        normalisation=gap.normalisation, accumulated_scaled_by=gap.accumulated_scaled_by,
+        max_relative_difference=difference, worst_tensor=worst, equivalent=equivalent, tolerance=SEMANTIC_TOLERANCE,
+        factor=fit.factor, tensor_factors=fit.tensor_factors, factor_min=min(factors, default=None),
+        factor_max=max(factors, default=None), factor_worst_tensor=fit.furthest, spread=_finite(fit.spread),
+        residual=_finite(fit.residual), worst_tensor_residual=fit.furthest_residual,
+        factor_tolerance=FACTOR_TOLERANCE, constant=constant, matches=None if match is None else match.name,
+        item_counts=None if gap.item_counts is None else list(gap.item_counts),
+        explanation=explain(equivalent, fit, match, candidates, gap.item_counts, figures))
+
+
+def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> tuple[float, str]:
+    """max |A - F| over all tensors, relative to F's largest element (1 where F is all zero), and
+    the tensor where it is."""
+    top = max((float(np.max(np.abs(f), initial=0.0)) for f in full.values()), default=0.0) or 1.0
+    gaps = {name: float(np.max(np.abs(accumulated[name] - f), initial=0.0)) / top for name, f in full.items()}
+    worst = max(gaps, key=gaps.get, default="")
+    return gaps.get(worst, 0.0), worst
+
+
+def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> FactorFit:
+    """The least-squares factors of A = cF; non-finite gradients have none."""
+    pairs = {name: (np.asarray(accumulated[name], np.float64).ravel(), np.asarray(f, np.float64).ravel())
+             for name, f in full.items()}
+    if not all(np.isfinite(a).all() and np.isfinite(f).all() for a, f in pairs.values()):
+        return FactorFit(None, finite=False)
+    af = {name: float(a @ f) for name, (a, f) in pairs.items()}
+    ff = {name: float(f @ f) for name, (_, f) in pairs.items()}
+    norms = {name: float(np.linalg.norm(a)) for name, (a, _) in pairs.items()}
+    total = math.sqrt(sum(n * n for n in norms.values()))
+    if sum(ff.values()) == 0:
+        return FactorFit(None, accumulated_zero=total == 0)
+    c = sum(af.values()) / sum(ff.values())
+    factors = {name: af[name] / ff[name] for name in pairs if ff[name] > 0}
+    # a tensor with a gradient where the full batch has none is as far from c as can be
+    distance = {name: abs(factors[name] - c) if name in factors else math.inf
+                for name in pairs if name in factors or norms[name] > 0}
+    left = {name: float(np.linalg.norm(a - c * f)) for name, (a, f) in pairs.items()}
+    furthest = max(distance, key=distance.get, default="")
+    spread = max((abs(x - c) for x in factors.values()), default=0.0) / abs(c) if c else math.inf
+    return FactorFit(c, factors, furthest, spread, _ratio(math.sqrt(sum(x * x for x in left.values())), total),
+                     _ratio(left[furthest], norms[furthest]) if furthest else None, total == 0)
+
+
+def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None) -> list[Candidate]:
+    """The run's numbers a constant factor may be, most common first (a value of 1 says nothing)."""
+    n, w = accum_steps, world_size
+    ns = f"N = {n}"
+    found = [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
+             Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
+             Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),
+             Candidate("1/N^2", 1 / (n * n), ns, "the loss is divided by N twice more than the loss normalisation "
+                       "needs")]
+    if w > 1:
+        both = f"N = {n}, W = {w}"
+        found += [Candidate("W", w, f"W = {w}", "the ranks' gradients are summed where the all-reduce averages them"),
+                  Candidate("1/W", 1 / w, f"W = {w}", "the gradient is divided by the world size once more than the "
+                            "all-reduce's average needs"),
+                  Candidate("N*W", n * w, both, "the losses are summed over the micro-batches and the ranks without "
+                            "dividing by either"),
+                  Candidate("1/(N*W)", 1 / (n * w), both, "the loss is divided by N x W once more than the loss "
+                            "normalisation needs")]
+    total = sum(item_counts or ())
+    if total > 0:
+        found += [Candidate("T", total, f"T = {total} items in the window", "the loss sums over the items where the "
+                            "full batch averages over them"),
+                  Candidate("1/T", 1 / total, f"T = {total} items in the window", "the loss is divided by the "
+                            "window's item count where the full batch sums over the items"),
+                  # the items of a micro-batch when all hold the same count (their mean otherwise)
+                  Candidate("T/N", total / n, f"T = {total} items, N = {n}", "each micro-batch's loss sums over its "
+                            "items and the accumulated sum is divided by N, where the full batch averages over the "
+                            "items")]
+    if total > 0 and min(item_counts) > 0:
+        found.append(Candidate("largest/smallest items", max(item_counts) / min(item_counts),
+                               f"items per micro-batch {min(item_counts)} to {max(item_counts)}",
+                               "the largest micro-batch's item count over the smallest's"))
+    return [c for c in found if c.value != 1]
+
+
+def matching(factor: float | None, candidates: list[Candidate]) -> Candidate | None:
+    """The first candidate ``factor`` equals within FACTOR_TOLERANCE (relative), or None."""
+    for candidate in candidates:
+        if factor is not None and abs(factor - candidate.value) <= FACTOR_TOLERANCE * candidate.value:
+            return candidate
+    return None
+
+
+def run_figures(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None) -> str:
+    """The numbers the candidates are made of, e.g. "N = 4, T = 183 items"."""
+    return f"N = {accum_steps}" + (f", W = {world_size}" if world_size > 1 else "") + (
+        f", T = {sum(item_counts)} items" if item_counts else "")
+
+
+def explain(equivalent: bool, fit: FactorFit, match: Candidate | None, candidates: list[Candidate],
+            item_counts: list[int] | None, figures: str) -> str:
+    """One sentence for the user: what the accumulated gradient is."""
+    if equivalent:
+        return f"equivalent: accumulated = full batch within {brief(SEMANTIC_TOLERANCE)}"
+    if not fit.finite:
+        return "not a constant factor: the gradients are not finite (inf or nan)"
+    if fit.factor is None:
+        return "not a constant factor: the full batch's gradient is zero everywhere, the accumulated one is not"
+    if fit.accumulated_zero:
+        return "not a constant factor: the accumulated gradient is zero where the full batch's is not"
+    if fit.constant:
+        return constant_sentence(fit, match, candidates, figures)
+    return varying_sentence(fit, item_counts)
+
+
+def constant_sentence(fit: FactorFit, match: Candidate | None, candidates: list[Candidate], figures: str) -> str:
+    """A = cF on every tensor: c, and what it matches."""
+    head = (f"accumulated = {factor_text(fit.factor)} x full batch on all {len(fit.tensor_factors)} tensors "
+            f"(spread {brief(fit.spread)})")
+    if match is not None:
+        return f"{head}: matches {match.name} ({match.where}): {match.reason}"
+    names = ", ".join(c.name for c in candidates)
+    return f"{head}: matches none of {names} ({figures}): the loss is scaled by a constant its normalisation does not have"
+
+
+def varying_sentence(fit: FactorFit, item_counts: list[int] | None) -> str:
+    """Tensors with factors of their own: their range, the worst, and the likely cause."""
+    factors = fit.tensor_factors.values()
+    worst = fit.furthest
+    if worst and worst not in fit.tensor_factors:
+        where = f"worst {worst}, a gradient where the full batch's is zero"
+    else:
+        where = f"worst {worst}, residual {brief(fit.furthest_residual)}"
+    text = (f"not a constant factor: per-tensor factors {factor_text(min(factors))} to "
+            f"{factor_text(max(factors))} ({where}): the micro-batches are weighted unlike the full batch")
+    if item_counts and len(set(item_counts)) == 1:
+        return text + f"; every micro-batch holds {item_counts[0]} items, so not by their item counts"
+    text += (", as per-micro-batch mean losses over micro-batches with different numbers of items do "
+             "(transformers#34191); normalise by the window's item count")
+    return text + (f"; items per micro-batch: {min(item_counts)} to {max(item_counts)}" if item_counts else "")
+
+
+def brief(x: float | None) -> str:
+    """A small figure in 2 significant digits, short exponents ("2.2e-16", "0.12", "1e-9")."""
+    if x is None:
+        return "-"
+    return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), f"{x:.2g}")
+
+
+def _ratio(x: float, y: float) -> float:
+    """x / y, 0 for 0 / 0, infinite for anything else over 0."""
+    return x / y if y > 0 else (0.0 if x == 0 else math.inf)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
