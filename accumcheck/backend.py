@@ -76,6 +76,12 @@ class ParamAccumulation:
     # Data parallel: the same accumulation in one process over the same global micro-batches
     # (divided by the number of ranks, as DistributedDataParallel averages).
     reference: np.ndarray | None = None
+    # A user's own model: the parameter's dtype where it is not the run's ``param_dtype`` (its
+    # native bound is then its own), its other names when tied, and in how many micro-steps it
+    # received a gradient (None: all).
+    dtype: str | None = None
+    aliases: tuple[str, ...] = ()
+    steps_with_grad: int | None = None
 
 
 @dataclass
@@ -98,13 +104,14 @@ class RankAccumulation:
 
 @dataclass
 class FullBatchGap:
-    """The accumulated gradient against the whole batch's in one backward pass, both in float64:
-    the largest difference relative to the full-batch gradient's largest element, and where."""
+    """The accumulated gradient and the whole batch's in one backward pass, both in float64, per
+    parameter name: the judge (``accumcheck.judge.fullbatch``) says how they differ."""
 
     normalisation: str
     accumulated_scaled_by: str  # "1/N" for a mean loss, else "1"
-    max_relative_difference: float
-    worst_tensor: str
+    accumulated: dict[str, np.ndarray]  # already scaled
+    full: dict[str, np.ndarray]
+    item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
 
 
 @dataclass
@@ -131,6 +138,10 @@ class RunResult:
     # Data parallel: each rank's own view (rank order), and how the run was set up.
     ranks: list[RankAccumulation] | None = None
     data_parallel: DataParallelSetup | None = None
+    # With a loss scaler (GradScaler), the scale the micro-gradients were computed with (the
+    # arrays above are already divided by it): a tensor whose micro-gradients overflowed is then
+    # a skipped optimizer step, not a fault.
+    grad_scale: float | None = None
 
 
 class Backend(ABC):
@@ -160,6 +171,15 @@ class Backend(ABC):
         """Run ``config`` (one framework: this one): N micro-steps natively and by hand.
         ``weights`` replaces the case's initial weights (same names and shapes). Raises
         AccumcheckError when the device is not available."""
+
+    def owns(self, model: Any) -> bool:
+        """Whether ``model`` is one of this framework's (told by its classes' modules, without
+        importing anything)."""
+        return bool(self.package) and any(c.__module__.split(".")[0] == self.package for c in type(model).__mro__)
+
+    def model_check(self) -> Callable[..., Any] | None:
+        """The check of a user's own model (``accumcheck.<name>.check``), where the backend has one."""
+        return None
 
     def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
               progress: Progress | None = None) -> TrajectoryReport:

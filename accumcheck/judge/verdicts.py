@@ -8,6 +8,9 @@ Verdicts:
   diverged        some element of some mode is further from E than round-off can explain (in a
                   data-parallel run also: a rank's own total, or native against one process)
   non-finite      an inf or nan in either mode (or in E)
+  no-gradient     the parameter received no gradient in any micro-step (a user's model)
+  overflow        loss-scaled micro-gradients that overflowed (E non-finite): the scaler skips the
+                  optimizer step; not flagged
 A tensor whose sum cancels heavily (condition number S/|E| >= ILL_CONDITIONED) is also marked
 ill-conditioned: large relative differences there are expected and are not a bug.
 """
@@ -19,35 +22,41 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import FullBatchGap, RunResult
+from ..backend import RunResult
 from ..bounds import UNIT_ROUNDOFF, ModeBound
 from ..cases import Case
 from ..faults import Fault
-from ..report import FullBatchResult, Report, TensorResult
+from ..report import Report, TensorResult
 from ..version import __version__
 from . import dataparallel
 from .dataparallel import RankChecks
+from .fullbatch import full_batch_verdict
 from .ratio import ratio_map, unravel
 from .statistics import tensor_figures
 
 # A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative
 # error may then be a hundred times the relative error of a sum without cancellation.
 ILL_CONDITIONED = 100.0
-# float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
-# (how the loss is normalised) is of order one.
-SEMANTIC_TOLERANCE = 1e-9
 
 
 def compare_tensor(name: str, kind: str, native: np.ndarray, manual: np.ndarray, exact: np.ndarray,
                    absum: np.ndarray, native_bound: ModeBound, manual_bound: ModeBound,
                    oracle: np.ndarray | None = None, reference_bound: ModeBound | None = None,
-                   ulps: bool = False, parallel: RankChecks | None = None) -> TensorResult:
+                   ulps: bool = False, parallel: RankChecks | None = None, no_gradient: bool = False,
+                   overflow: bool = False) -> TensorResult:
     """Judge one parameter tensor: its figures (``statistics.tensor_figures``, the same
-    arguments) and, for a data-parallel run, its ``parallel`` checks. Returns the TensorResult."""
+    arguments) and, for a data-parallel run, its ``parallel`` checks. ``no_gradient``: the
+    parameter received no gradient at all; ``overflow``: the run was loss-scaled, so a non-finite
+    E (the micro-gradients themselves overflowed) is a step the scaler skips, not a fault.
+    Returns the TensorResult."""
     figures = tensor_figures(name, kind, native, manual, exact, absum, native_bound, manual_bound, oracle,
                              reference_bound, ulps)
     nonfinite = figures.pop("nonfinite")
-    if nonfinite:
+    if no_gradient:
+        verdict = "no-gradient"
+    elif nonfinite and overflow and not np.isfinite(np.asarray(exact, np.float64)).all():
+        verdict = "overflow"
+    elif nonfinite:
         verdict = "non-finite"
     elif figures["mismatched"] == 0:
         verdict = "identical"
@@ -57,7 +66,7 @@ def compare_tensor(name: str, kind: str, native: np.ndarray, manual: np.ndarray,
         verdict = "diverged"
     if verdict in ("identical", "round-off") and figures.get("precision_ratio", 0.0) > 1.0:
         verdict = "precision-loss"
-    ill = figures["condition"] >= ILL_CONDITIONED and verdict != "non-finite"
+    ill = figures["condition"] >= ILL_CONDITIONED and verdict not in ("non-finite", "overflow", "no-gradient")
     if parallel is not None:
         figures.update(parallel.figures)
         worst = max(parallel.candidates, key=lambda c: c.ratio, default=None)
@@ -92,9 +101,19 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     ulps = config.get("mode", "native") != "native"  # how close a GradAccumulator gets
     checks = [None if parallel is None else dataparallel.check_tensor(p, run.ranks or [], parallel)
               for p in run.params]
-    tensors = [compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, native_bound, manual_bound,
-                              p.oracle, reference_bound=reference, ulps=ulps, parallel=check)
-               for p, check in zip(run.params, checks)]
+    tensors = []
+    for p, check in zip(run.params, checks):
+        own, own_reference = native_bound, reference
+        if p.dtype is not None and p.dtype != run.param_dtype:  # a model of mixed dtypes: each its own bound
+            own = ModeBound.for_sum(p.dtype, accum_steps, run.native_kernel_allowance)
+            own_reference = ModeBound.for_sum("float32", accum_steps) if UNIT_ROUNDOFF[p.dtype] > \
+                UNIT_ROUNDOFF["float32"] else None
+        t = compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, own, manual_bound, p.oracle,
+                           reference_bound=own_reference, ulps=ulps, parallel=check,
+                           no_gradient=p.steps_with_grad == 0, overflow=run.grad_scale is not None)
+        t.aliases = list(p.aliases) or None
+        t.steps_with_grad = p.steps_with_grad
+        tensors.append(t)
     bound = {"native": vars(native_bound), "manual": vars(manual_bound)}
     result = None
     if parallel is not None:
@@ -107,7 +126,7 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     mapped = {t.name for t in tensors if t.flagged}
     mapped |= {t.name for t in sorted(tensors, key=lambda t: -t.ratio if t.ratio == t.ratio else 0)[:3]}
     for p, t in zip(run.params, tensors):
-        if t.name in mapped and t.verdict != "non-finite":
+        if t.name in mapped and t.verdict not in ("non-finite", "overflow"):
             t.ratio_map, t.ratio_map_cell = ratio_map(p.native, p.manual, p.exact, p.absum, native_bound, manual_bound)
     if case is None:
         case = Case(config.get("model", "model"), "", -1, accum_steps, None, "", 0.0, 0.0, (),
@@ -119,11 +138,5 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
         oracle=oracle, inject=None if fault is None else str(fault), bound=bound, loss_reduction=case.loss_reduction,
         settings=run.settings, notes=list(run.notes), losses=run.losses, seconds=round(seconds, 3),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors, config=config,
-        full_batch=None if run.full_batch is None else full_batch_verdict(run.full_batch), data_parallel=result)
-
-
-def full_batch_verdict(gap: FullBatchGap) -> FullBatchResult:
-    """Whether the accumulated gradient is the whole batch's: within SEMANTIC_TOLERANCE of it."""
-    return FullBatchResult(normalisation=gap.normalisation, accumulated_scaled_by=gap.accumulated_scaled_by,
-                           max_relative_difference=gap.max_relative_difference, worst_tensor=gap.worst_tensor,
-                           equivalent=gap.max_relative_difference <= SEMANTIC_TOLERANCE, tolerance=SEMANTIC_TOLERANCE)
+        full_batch=None if run.full_batch is None else full_batch_verdict(run.full_batch, accum_steps),
+        data_parallel=result)

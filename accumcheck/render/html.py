@@ -39,7 +39,7 @@ def _tensor_table(report: Report) -> str:
     rows = []
     for t in report.tensors:
         cls = ' class="flagged"' if t.flagged else ""
-        cells = [f'<td class="name">{html.escape(t.name)}</td>', f'<td class="text">{t.kind}</td>',
+        cells = [f'<td class="name">{html.escape(t.title)}</td>', f'<td class="text">{t.kind}</td>',
                  f'<td class="text">{"x".join(map(str, t.shape))}</td>', f"<td>{num(t.max_abs_grad)}</td>",
                  f'<td class="text"{cls}>{html.escape(t.label)}</td>'] + \
                 [f"<td>{v}</td>" for v in (num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), t.classic_mismatched,

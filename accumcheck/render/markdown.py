@@ -29,7 +29,7 @@ def markdown(report: Report) -> str:
                               for c in cols) + "|")
     for t in report.tensors:
         verdict = f"**{t.label}**" if t.flagged else t.label
-        row = [f"`{t.name}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict, num(t.ratio), num(t.max_abs_diff),
+        row = [f"`{t.title}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict, num(t.ratio), num(t.max_abs_diff),
                num(t.max_ulps), str(t.classic_mismatched), num(t.condition), num(t.err_native), num(t.err_manual),
                t.nearer]
         out.append("| " + " | ".join(row) + " |")

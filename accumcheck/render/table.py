@@ -27,7 +27,7 @@ from .text import (
 )
 
 _STYLE = {"identical": "green", "round-off": "cyan", "precision-loss": "bold yellow", "diverged": "bold red",
-          "non-finite": "bold magenta"}
+          "non-finite": "bold magenta", "no-gradient": "dim", "overflow": "yellow"}
 
 
 def rich_table(report: Report) -> Table:
@@ -40,7 +40,7 @@ def rich_table(report: Report) -> Table:
     for title in ("max|g|", "verdict", "ratio", "max|A-B|", "ulps", "tol fails", "cond"):
         table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=title == "verdict")
     for t in report.tensors:
-        table.add_row(t.name, t.kind, shape_text(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
+        table.add_row(t.title, t.kind, shape_text(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
                       num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched),
                       num(t.condition))
     return table

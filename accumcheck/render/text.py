@@ -32,9 +32,11 @@ def header_lines(report: Report) -> list[str]:
     native = report.bound["native"]
     allowance = native.get("kernel_allowance", 0.0)
     settings = ", ".join(report.notes)
+    what = f"model {report.case}" if "model" in report.config else f"case {report.case}"
+    seed = f"seed {report.seed} · " if report.seed >= 0 else ""  # a user's model has no seed of accumcheck's
     lines = [
-        f"case {report.case} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
-        f"seed {report.seed} · params {report.param_dtype}, manual buffer {report.accum_dtype}"
+        f"{what} · {report.framework} on {report.device} · N = {report.accum_steps} micro-steps · "
+        f"{seed}params {report.param_dtype}, manual buffer {report.accum_dtype}"
         + (f" · {settings}" if settings else ""),
         f"{versions} · {report.seconds:.2f}s",
     ]
@@ -92,6 +94,8 @@ def data_parallel_lines(report: Report) -> list[str]:
 def full_batch_line(report: Report) -> str:
     f = report.full_batch
     verdict = "equivalent" if f.equivalent else "SEMANTIC MISMATCH (the loss normalisation, not round-off)"
+    if f.explanation:  # what the accumulated gradient is (reports of earlier versions have no explanation)
+        verdict = f.explanation if f.equivalent else f"{verdict}: {f.explanation}"
     return (f"full batch: loss '{f.normalisation}', accumulated sum x {f.accumulated_scaled_by} against one "
             f"backward over the whole batch (float64): largest difference {num(f.max_relative_difference)} of the "
             f"gradient's scale, at {f.worst_tensor}: {verdict}")
@@ -102,8 +106,9 @@ def summary_line(report: Report) -> str:
     n = len(report.tensors)
     flagged = report.flagged
     if report.semantic_mismatch and not flagged:
+        headline = report.full_batch.headline
         return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.loss_reduction}'; "
-                f"every tensor is numerically faithful)")
+                f"every tensor is numerically faithful)" + (f": {headline}" if headline else ""))
     if flagged:
         named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
             f", {num(t.ratio)}x bound" if t.verdict == "diverged" else
@@ -111,9 +116,14 @@ def summary_line(report: Report) -> str:
             + (f", rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else "") + ")" for t in flagged[:8])
         more = f" and {len(flagged) - 8} more" if len(flagged) > 8 else ""
         return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
-    counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off")}
+    counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off", "no-gradient")}
     ill = sum(t.ill_conditioned for t in report.tensors)
-    parts = [f"{c} {v}" for v, c in counts.items() if c]
+    parts = [f"{c} {v.replace('-', ' ')}" for v, c in counts.items() if c]
+    overflow = [t.name for t in report.tensors if t.verdict == "overflow"]
+    if overflow:
+        return (f"SKIPPED STEP: the loss-scaled micro-gradients overflowed in {len(overflow)} of {n} tensors "
+                f"({', '.join(overflow[:4])}{' ...' if len(overflow) > 4 else ''}): the GradScaler skips this "
+                f"optimizer step and lowers its scale; the others are faithful ({', '.join(parts)})")
     text = f"OK: all {n} tensors faithful ({', '.join(parts)})"
     return text + (f"; {ill} ill-conditioned (heavy cancellation, judged by the bound)" if ill else "")
 
@@ -121,7 +131,17 @@ def summary_line(report: Report) -> str:
 def tensor_details(t: TensorResult) -> list[str]:
     """torch.testing-style lines for one tensor, plus what the bound knows."""
     pct = 100.0 * t.mismatched / t.numel if t.numel else 0.0
-    lines = [f"{t.name} ({t.kind}, {shape_text(t)}, {t.dtype}): {t.label}"]
+    lines = [f"{t.title} ({t.kind}, {shape_text(t)}, {t.dtype}): {t.label}"]
+    if t.verdict == "no-gradient":
+        lines.append("  No gradient in any micro-step: the parameter is unused by these batches (nothing to judge)")
+        return lines
+    if t.verdict == "overflow":
+        lines.append(f"  The loss-scaled micro-gradients overflowed (inf or nan in {t.nonfinite_native} elements): "
+                     "a GradScaler skips this optimizer step and lowers its scale; not an accumulation fault")
+        return lines
+    if t.steps_with_grad is not None:
+        lines.append(f"  A gradient in {t.steps_with_grad} of the micro-steps only (a conditional parameter); "
+                     "zeros in the others")
     if t.verdict == "non-finite":
         lines.append(f"  Non-finite elements: native {t.nonfinite_native}, manual {t.nonfinite_manual} of {t.numel}")
         return lines

@@ -23,6 +23,36 @@ class FullBatchResult:
     worst_tensor: str
     equivalent: bool
     tolerance: float
+    # What the accumulated gradient A is instead of the full batch's F (``accumcheck.judge.fullbatch``);
+    # reports saved by earlier versions have none of it. Factors are least squares, <A,F>/<F,F>.
+    factor: float | None = None  # c over all tensors
+    tensor_factors: dict[str, float] = field(default_factory=dict)  # c_t, for the tensors whose F is not zero
+    factor_min: float | None = None
+    factor_max: float | None = None
+    factor_worst_tensor: str = ""  # the tensor furthest from c
+    spread: float | None = None  # max |c_t - c| / |c|
+    residual: float | None = None  # ||A - cF|| / ||A|| over all tensors
+    worst_tensor_residual: float | None = None  # the same, of factor_worst_tensor alone
+    factor_tolerance: float | None = None
+    constant: bool = False  # not equivalent, but A = cF within factor_tolerance
+    matches: str | None = None  # what a constant c is ("1/N", "N", ...), None when nothing known
+    item_counts: list[int] | None = None  # items per micro-batch, where the run knows them
+    explanation: str = ""  # one sentence: what A is
+
+    @property
+    def headline(self) -> str:
+        """The factor in a few words for a summary: "0.250 x it on every tensor (1/N)", "not a
+        constant factor", or "" for an equivalent result or a report without the factors."""
+        if self.equivalent or not self.explanation:
+            return ""
+        if not self.constant or self.factor is None:
+            return "not a constant factor"
+        return f"{factor_text(self.factor)} x it on every tensor" + (f" ({self.matches})" if self.matches else "")
+
+
+def factor_text(x: float) -> str:
+    """A factor in 3 significant digits, trailing zeros kept ("0.250", "4.00", "1.00e-05")."""
+    return f"{x:#.3g}".rstrip(".") if math.isfinite(x) else str(x)
 
 
 @dataclass
@@ -119,9 +149,27 @@ class Report(Serialised):
     def reproduce_command(self) -> str:
         """The CLI line that reruns this comparison (for a user's own model: the call)."""
         if "model" in self.config:
-            return (f"accumcheck.{self.framework}.check(<your {self.config['model']}>, loss_fn, batches, "
-                    f"accum_steps={self.accum_steps})")
+            return user_model_call(self.framework, self.config, self.accum_steps)
         return command_line(self.config)
+
+
+def user_model_call(framework: str, config: dict[str, Any], accum_steps: int) -> str:
+    """The call (or, for ``accumcheck check FILE.py``, the command) that reruns a check of a
+    user's own model, with the options it ran with."""
+    if "setup" in config:
+        flags = [f"--accum-steps {accum_steps}"]
+        for key, value in config.get("command_options", {}).items():
+            if key != "accum_steps" and value is not False:
+                flags.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+        return f"accumcheck check {config['setup']} {' '.join(flags)}"
+    loss = config.get("loss", "loss_fn")
+    head = {"loss_fn": "loss_fn, batches", "step": "batches=batches, step=step"}.get(loss, "batches=batches")
+    options = [f"accum_steps={accum_steps}"]
+    for key, value in config.items():
+        if key in ("model", "loss", "setup", "command_options"):
+            continue
+        options.append(f"{key}={value}" if key in ("autocast", "grad_scaler") else f"{key}={value!r}")
+    return f"accumcheck.{framework}.check(<your {config['model']}>, {head}, {', '.join(options)})"
 
 
 def _finite_or_max(x: float) -> float:

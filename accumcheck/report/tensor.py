@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VERDICTS = ("identical", "round-off", "precision-loss", "diverged", "non-finite")
+VERDICTS = ("identical", "round-off", "precision-loss", "diverged", "non-finite", "no-gradient", "overflow")
 # precision-loss: within the round-off of its own (reduced) dtype, beyond that of the accumulation dtype
+# no-gradient:    the parameter received no gradient in any micro-step (unused in these batches)
+# overflow:       the loss-scaled micro-gradients themselves hold an inf or nan: a GradScaler skips
+#                 the optimizer step and lowers its scale; not an accumulation fault
 FLAGGED_VERDICTS = ("precision-loss", "diverged", "non-finite")
 # Tensor kinds in the order a summary names them: embeddings and weights first.
 KIND_ORDER = ("embedding", "weight", "bias", "norm")
@@ -67,10 +70,19 @@ class TensorResult:
     rank_local_ratios: list[float] | None = None
     rank_final_ratios: list[float] | None = None
     flagged_ranks: list[int] | None = None
+    # A user's own model: the other names of a tied (shared) parameter, and in how many of the
+    # micro-steps it received a gradient (None: in all of them, or not counted).
+    aliases: list[str] | None = None
+    steps_with_grad: int | None = None
 
     @property
     def flagged(self) -> bool:
         return self.verdict in FLAGGED_VERDICTS
+
+    @property
+    def title(self) -> str:
+        """The name as shown: a tied parameter under all its names."""
+        return " = ".join([self.name, *self.aliases]) if self.aliases else self.name
 
     @property
     def label(self) -> str:
