@@ -1,14 +1,23 @@
 """What ``accumcheck.torch.check`` and ``accumcheck.mxnet.check`` share: reading the user's
-batches and the number of micro-steps."""
+batches, the number of micro-steps, and how a batch meets the model and the loss.
+
+A batch is whatever the user's loop hands its model. With a ``loss_fn`` it is ``(inputs,
+target)``, or ``(inputs,)``, ``(inputs, None)`` or bare inputs for a loss that needs no target
+(then ``loss_fn(output)``). Without one it is the model's inputs and the model computes its own
+loss (a Hugging Face style ``output.loss``). Inputs meet the model as the user's code passes them:
+a mapping as ``model(**inputs)``, a tuple or list as ``model(*inputs)``, anything else as
+``model(inputs)``. With ``step=``, ``step(model, batch)`` does all of it and returns the loss.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Callable, Sequence
 
 from .errors import AccumcheckError
 
-Batch = tuple[Any, Any]
+Batch = Any
 MAX_UNCOUNTED_BATCHES = 4096  # an iterable read to its end without accum_steps: at most this many
 
 
@@ -43,3 +52,59 @@ def batch_source(batches: Any, accum_steps: int | None) -> tuple[Callable[[int],
 def _positive(steps: Any) -> None:
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise AccumcheckError(f"check: accum_steps must be a positive integer, got {steps!r}")
+
+
+NO_TARGET = object()  # a batch without a target: the loss is ``loss_fn(output)``
+
+
+def split_batch(batch: Any, loss_fn_given: bool) -> tuple[Any, Any]:
+    """``(inputs, target)`` of one micro-batch; the target is NO_TARGET where there is none."""
+    if not loss_fn_given:
+        return batch, NO_TARGET
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], NO_TARGET if batch[1] is None else batch[1]
+        if len(batch) == 1:
+            return batch[0], NO_TARGET
+        raise AccumcheckError(f"check: with loss_fn a batch is (inputs, target) or (inputs,), got a "
+                              f"{type(batch).__name__} of {len(batch)} items; pass step=lambda model, batch: loss "
+                              "to say how your batches are used")
+    return batch, NO_TARGET
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """The model applied to ``inputs`` as a training loop passes them."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def apply_loss(loss_fn: Callable[..., Any], output: Any, target: Any) -> Any:
+    return loss_fn(output) if target is NO_TARGET else loss_fn(output, target)
+
+
+def own_loss(output: Any, is_scalar: Callable[[Any], bool]) -> Any:
+    """The loss a model computed itself: ``output.loss`` (Hugging Face ``ModelOutput``, also as
+    ``output["loss"]``), a scalar output, or the scalar first element of a tuple
+    (``return_dict=False``). Raises AccumcheckError naming what the model returned otherwise."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None and is_scalar(output):
+        loss = output
+    if loss is None and isinstance(output, (tuple, list)) and output and is_scalar(output[0]):
+        loss = output[0]
+    if loss is None:
+        raise AccumcheckError(f"check: the model returned a {type(output).__name__} with no loss (no .loss, not a "
+                              "scalar); pass loss_fn=, or step=lambda model, batch: loss")
+    return loss
+
+
+def model_error(exc: Exception, index: int | str, what: str) -> AccumcheckError:
+    """The one-line error for an exception raised by the user's model, loss or step function on
+    micro-batch ``index`` (or on the batch a string names)."""
+    first = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+    where = f"micro-batch {index}" if isinstance(index, int) else index
+    return AccumcheckError(f"check: {what} raised {type(exc).__name__} on {where}: {first[:300]}; "
+                           "check that the batches fit the model (a dict is passed as model(**batch), a tuple as "
+                           "model(*inputs)), or pass step=lambda model, batch: loss")

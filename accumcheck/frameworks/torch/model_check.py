@@ -2,21 +2,25 @@
 
     import accumcheck.torch
     report = accumcheck.torch.check(model, loss_fn, batches, accum_steps=16)
+    report = accumcheck.torch.check(hf_model, batches=dict_batches, accum_steps=16)  # output.loss
     accumcheck.assert_faithful(report)
 
 One backward pass per micro-batch feeds both modes: ``.grad`` accumulating natively, and a
-manual float32 buffer with float64 sums E and S, fed from the same micro-gradients. Each named
-parameter is judged as ``accumcheck compare`` judges a case. The model runs in eval mode (dropout
-off, batch-norm statistics frozen) and is left as it was found: parameters, ``.grad`` and the
-training flag.
+manual buffer (float32, or the parameters' dtype when wider) with float64 sums E and S, fed from
+the same micro-gradients. Each parameter is judged as ``accumcheck compare`` judges a case. The
+model runs in eval mode (dropout off, batch-norm statistics frozen) unless ``train_mode``, and is
+left as it was found: parameters, ``.grad``, buffers, training flags and the random state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from ...backend import ParamAccumulation, Progress, RunResult
@@ -24,84 +28,258 @@ from ...cases import infer_kind
 from ...errors import AccumcheckError
 from ...faults import parse_fault, resolve_fault
 from ...judge import build_report
+from ...options import MODES, REDUCTIONS
 from ...report import Report
 from ...usermodel import Batch, batch_source
 from .accumulate import accumulate
 from .model import deterministic, isolated, to_numpy
+from .model_fullbatch import full_batch_gap
+from .userbatch import micro_loss, to_device
+
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check(model: Any, loss_fn: Callable[[Any, Any], Any],
-          batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch],
+def check(model: Any, loss_fn: Callable[..., Any] | None = None,
+          batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch] | None = None,
           accum_steps: int | None = None, device: str | None = None, oracle: bool = False,
-          inject: str | None = None, progress: Progress | None = None) -> Report:
+          inject: str | None = None, progress: Progress | None = None, *,
+          step: Callable[[Any, Any], Any] | None = None, mode: str = "native", autocast: Any = None,
+          grad_scaler: Any = None, train_mode: bool = False, full_batch: bool = False,
+          collate: Callable[[list[Any]], Any] | None = None, loss_reduction: str = "mean") -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
-    ``model`` is any ``torch.nn.Module``; ``loss_fn(output, target)`` returns a scalar loss;
-    ``batches`` is a sequence or iterable of ``(inputs, target)`` pairs (the first
-    ``accum_steps`` are used; default all) or a function of the micro-step index. ``device`` must
-    be where the model is (default: there); batches are moved to it. ``oracle`` also runs a
-    float64 copy of the model. ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs
-    the native accumulation to prove the check fires. Returns a Report; raises AccumcheckError
-    for bad input.
+    ``model`` is any ``torch.nn.Module`` with parameters in float32, bfloat16, float16 or float64.
+    The loss of a micro-batch is ``loss_fn(model(inputs), target)`` for ``(inputs, target)``
+    batches (``loss_fn(output)`` where a batch has no target), the model's own ``output.loss``
+    when ``loss_fn`` is None (a dict batch is passed as ``model(**batch)``), or
+    ``step(model, batch)``. ``batches`` is a sequence or iterable (the first ``accum_steps`` are
+    used; default all) or a function of the micro-step index; nested tensors are moved to the
+    model's device (``device`` must be where the model is).
+
+    ``mode`` fills the native slot with ``.grad`` ("native") or a GradAccumulator
+    ("accumulator", "compensated"). ``autocast`` (torch.bfloat16 or torch.float16) runs each
+    forward under ``torch.autocast``; ``grad_scaler`` (a ``torch.amp.GradScaler``) scales each
+    loss by its scale and the gradients are judged unscaled (an overflow is a skipped step, not a
+    fault). ``train_mode`` runs the model in training mode (batch-norm batch statistics) with its
+    dropout modules off. ``oracle`` also runs a float64 copy of the model. ``full_batch`` also
+    runs the N micro-batches as one batch (joined along dim 0, or by ``collate``) in float64 and
+    judges the accumulated gradient against it, divided by N for a ``loss_reduction`` "mean"
+    loop (the loop divides each micro-batch's mean loss by N), as it is for "sum" and
+    "token_count". ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs the native
+    accumulation to prove the check fires. Returns a Report; raises AccumcheckError for bad input.
     """
     started = time.perf_counter()
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if not params:
-        raise AccumcheckError("check: the model has no parameter that requires grad")
+    _check_arguments(loss_fn, batches, step, mode, grad_scaler, full_batch, collate, loss_reduction)
+    cast = _autocast_dtype(autocast)
+    groups = _parameters(model)
+    params = {names[0]: p for names, p in groups}
     first = next(iter(params.values()))
     where = first.device
-    if device is not None and torch.device("cuda" if device == "gpu" else device) != where and \
-            not (device in ("gpu", "cuda") and where.type == "cuda"):
-        raise AccumcheckError(f"check: the model is on {where}, not {device}; move it there or pass device={str(where)!r}")
+    _check_device(params, device, where)
     get_batch, steps = batch_source(batches, accum_steps)
-    kinds = {name: infer_kind(name, p.dim()) for name, p in params.items()}
-    fault = resolve_fault(parse_fault(inject), list(kinds.items()), steps) if inject is not None else None
+    kinds = _kinds(model, params)
+    fault = None
+    if inject is not None:
+        fault = parse_fault(inject)
+        canonical = {alias: names[0] for names, _ in groups for alias in names[1:]}  # a tied weight's other names
+        fault = resolve_fault(dataclasses.replace(fault, param=canonical.get(fault.param, fault.param)),
+                              list(kinds.items()), steps)
+    dtypes = {name: str(p.dtype).replace("torch.", "") for name, p in params.items()}
+    param_dtype = max(set(dtypes.values()), key=list(dtypes.values()).count)
+    if any(dtype not in ("float32", "bfloat16", "float16", "float64") for dtype in dtypes.values()):
+        raise AccumcheckError(f"check: parameters must be floating point (float32, bfloat16, float16, float64); "
+                              f"found {', '.join(sorted(set(dtypes.values())))}")
+    accum_dtype = torch.float64 if param_dtype == "float64" else torch.float32
+    uniform = first.dtype if len(set(dtypes.values())) == 1 else None
+    scale = _scale_of(grad_scaler)
 
-    def step_loss(model: Any, dtype: Any) -> Callable[[int], Any]:
+    def step_loss(net: Any, dtype: Any, autocast_to: Any = None, scaled: float | None = None) -> Callable[[int], Any]:
         def run(index: int) -> Any:
-            inputs, target = get_batch(index)
-            loss = loss_fn(model(_to(inputs, where, dtype)), _to(target, where, dtype))
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise AccumcheckError("check: loss_fn must return a scalar tensor (reduce it with .mean() or .sum())")
-            return loss
+            batch = to_device(get_batch(index), where, dtype)
+            with torch.autocast(where.type, dtype=autocast_to) if autocast_to else contextlib.nullcontext():
+                loss = micro_loss(net, batch, index, loss_fn, step)
+            return loss * scaled if scaled is not None else loss
         return run
 
-    saved_grads = {name: (None if p.grad is None else p.grad.detach().clone()) for name, p in params.items()}
-    was_training = model.training
+    saved = _ModelState(model, params)
+    twin = None
+    if oracle or full_batch:
+        twin = _float64_copy(model)  # before any pass: the same buffers as the model
     try:
         with deterministic(where), isolated(where):
-            model.eval()
-            result = accumulate(params, step_loss(model, first.dtype), steps, fault, progress, "native + manual")
+            _set_mode(model, train_mode)
+            result = accumulate(params, step_loss(model, uniform, cast, scale), steps, fault, progress,
+                                "native + manual", accum_dtype if mode == "native" else torch.float32, mode)
             buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in params}
             native = {name: to_numpy(g) for name, g in result["native"].items()}
-            oracle_grads = None
-            if oracle:
-                twin = copy.deepcopy(model).double()
-                twin_params = {name: p for name, p in twin.named_parameters() if p.requires_grad}
-                twin_result = accumulate(twin_params, step_loss(twin, torch.float64), steps, None, progress,
-                                         "float64 oracle")
-                oracle_grads = {name: to_numpy(g) for name, g in twin_result["native"].items()}
+            saved.restore_buffers()
+            oracle_grads, gap = None, None
+            if twin is not None:
+                _set_mode(twin, train_mode)
+                twin_params = _same_parameters(twin, groups)
+                twin_loss = step_loss(twin, torch.float64)
+                gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, [get_batch(k) for k in range(steps)]
+                                                   if full_batch else None, steps, loss_fn, step, collate,
+                                                   loss_reduction, progress)
     finally:
-        model.train(was_training)
-        for name, p in params.items():
-            p.grad = saved_grads[name]
+        saved.restore()
+    if scale is not None:  # judged unscaled: the scale is a power of two, so dividing is exact
+        native = {name: g / np.asarray(scale, g.dtype) for name, g in native.items()}
+        buffers = {name: tuple(b / np.asarray(scale, b.dtype) for b in bufs) for name, bufs in buffers.items()}
+    own = mode == "native" and len(set(dtypes.values())) > 1
     run = RunResult(
-        params=[ParamAccumulation(name, kinds[name], native[name], *buffers[name],
-                                  oracle=None if oracle_grads is None else oracle_grads[name]) for name in params],
+        params=[ParamAccumulation(names[0], kinds[names[0]], native[names[0]], *buffers[names[0]],
+                                  oracle=None if oracle_grads is None or not oracle else oracle_grads[names[0]],
+                                  dtype=dtypes[names[0]] if own else None, aliases=tuple(names[1:]),
+                                  steps_with_grad=result["steps_with_grad"].get(names[0]))
+                for names, _ in groups],
         framework="torch", versions={"torch": torch.__version__}, device=str(where),
-        param_dtype=str(first.dtype).replace("torch.", ""), accum_dtype=str(first.dtype).replace("torch.", ""),
-        losses={"mean_loss": result["loss"]}, notes=["model in eval mode"])
+        # the GradAccumulator sums in float32, whatever the parameters' dtype
+        param_dtype=param_dtype if mode == "native" else "float32", accum_dtype=str(accum_dtype).replace("torch.", ""),
+        losses={"mean_loss": result["loss"] / (scale or 1.0)},
+        notes=_notes(train_mode, cast, scale, dtypes, mode),
+        settings={"train_mode": train_mode, "autocast": None if cast is None else str(cast).replace("torch.", ""),
+                  "grad_scale": scale},
+        full_batch=gap, grad_scale=scale)
+    options = {"mode": mode if mode != "native" else None, "oracle": oracle or None, "inject": inject,
+               "autocast": None if cast is None else str(cast), "train_mode": train_mode or None,
+               "grad_scaler": "<your GradScaler>" if grad_scaler is not None else None,
+               "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
+    loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
     return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
-                        config={"model": type(model).__name__})
+                        config={"model": type(model).__name__, "loss": loss,
+                                **{k: v for k, v in options.items() if v is not None}})
 
 
-def _to(value: Any, device: Any, dtype: Any) -> Any:
-    """Move a tensor (or a tuple/list/dict of them) to ``device``; floating ones to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        value = value.to(device)
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device, dtype) for k, v in value.items()}
-    return value
+def _check_arguments(loss_fn: Any, batches: Any, step: Any, mode: str, grad_scaler: Any, full_batch: Any,
+                     collate: Any, loss_reduction: str) -> None:
+    if batches is None:
+        raise AccumcheckError("check: batches is missing; pass the micro-batches (a sequence, an iterable or a "
+                              "function of the micro-step index)")
+    if step is not None and loss_fn is not None:
+        raise AccumcheckError("check: pass loss_fn or step, not both (step(model, batch) computes the loss itself)")
+    for name, value in (("loss_fn", loss_fn), ("step", step), ("collate", collate)):
+        if value is not None and not callable(value):
+            raise AccumcheckError(f"check: {name} must be a function, got {type(value).__name__}")
+    if mode not in MODES:
+        raise AccumcheckError(f"check: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if loss_reduction not in REDUCTIONS:
+        raise AccumcheckError(f"check: loss_reduction must be one of {', '.join(REDUCTIONS)}, got {loss_reduction!r}")
+    if not isinstance(full_batch, bool):
+        raise AccumcheckError(f"check: full_batch must be True or False, got {full_batch!r}")
+    if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
+        raise AccumcheckError(f"check: grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+
+
+def _autocast_dtype(autocast: Any) -> Any:
+    if autocast is None or autocast is False:
+        return None
+    name = str(autocast).replace("torch.", "")
+    if name not in AUTOCAST_DTYPES:
+        raise AccumcheckError(f"check: autocast must be torch.bfloat16 or torch.float16, got {autocast!r}")
+    return AUTOCAST_DTYPES[name]
+
+
+def _scale_of(grad_scaler: Any) -> float | None:
+    """The scaler's current scale, read without changing the scaler (``scale()`` would initialise it)."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return None
+    return float(grad_scaler.get_scale())
+
+
+def _parameters(model: Any) -> list[tuple[list[str], Any]]:
+    """Each trainable parameter once, under all its names (tied weights share one tensor)."""
+    if not isinstance(model, torch.nn.Module):
+        raise AccumcheckError(f"check: model must be a torch.nn.Module, got {type(model).__name__}")
+    groups: dict[int, tuple[list[str], Any]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            groups.setdefault(id(p), ([], p))[0].append(name)
+    if not groups:
+        raise AccumcheckError("check: the model has no parameter that requires grad")
+    return list(groups.values())
+
+
+def _kinds(model: Any, params: dict[str, Any]) -> dict[str, str]:
+    """Each parameter's kind: by the module that holds it (an embedding, a normalisation layer),
+    else by its name and shape."""
+    by_module = {}
+    for module in model.modules():
+        kind = "embedding" if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) else \
+            "norm" if "Norm" in type(module).__name__ else None
+        if kind is not None:
+            by_module.update({id(p): kind for p in module.parameters(recurse=False)})
+    return {name: by_module.get(id(p)) or infer_kind(name, p.dim()) for name, p in params.items()}
+
+
+def _same_parameters(twin: Any, groups: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    named = dict(twin.named_parameters(remove_duplicate=False))
+    return {names[0]: named[names[0]] for names, _ in groups}
+
+
+def _check_device(params: dict[str, Any], device: str | None, where: Any) -> None:
+    others = sorted({str(p.device) for p in params.values()} - {str(where)})
+    if others:
+        raise AccumcheckError(f"check: the model's parameters are on {where} and {', '.join(others)}; "
+                              "accumcheck checks a model on one device")
+    if device is None:
+        return
+    try:
+        wanted = torch.device("cuda" if device == "gpu" else device)
+    except (RuntimeError, TypeError) as exc:
+        raise AccumcheckError(f"check: device {device!r} is not a device name (cpu, cuda, cuda:1, gpu)") from exc
+    if wanted.type != where.type or (wanted.index is not None and wanted.index != where.index):
+        raise AccumcheckError(f"check: the model is on {where}, not {device}; move it there or pass device={str(where)!r}")
+
+
+def _float64_copy(model: Any) -> Any:
+    try:
+        return copy.deepcopy(model).double()
+    except Exception as exc:
+        raise AccumcheckError(f"check: oracle and full_batch need a float64 copy of the model, and copy.deepcopy "
+                              f"failed ({type(exc).__name__}: {exc}); run without them") from exc
+
+
+def _set_mode(model: Any, train_mode: bool) -> None:
+    """Eval mode, or training mode with every dropout module off."""
+    model.train(train_mode)
+    if train_mode:
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                module.eval()
+
+
+def _notes(train_mode: bool, cast: Any, scale: float | None, dtypes: dict[str, str], mode: str) -> list[str]:
+    notes = ["model in training mode, dropout off" if train_mode else "model in eval mode"]
+    if cast is not None:
+        notes.append(f"forward under {str(cast).replace('torch.', '')} autocast")
+    if scale is not None:
+        notes.append(f"losses scaled by {scale:g} (GradScaler), gradients judged unscaled")
+    if len(set(dtypes.values())) > 1 and mode == "native":
+        counts = {d: list(dtypes.values()).count(d) for d in sorted(set(dtypes.values()))}
+        notes.append("mixed parameter dtypes (" + ", ".join(f"{c} {d}" for d, c in counts.items())
+                     + "), each judged by its own")
+    return notes
+
+
+class _ModelState:
+    """What a check may change on the user's model, saved to put back: ``.grad``, buffers
+    (batch-norm running statistics), every module's training flag."""
+
+    def __init__(self, model: Any, params: dict[str, Any]) -> None:
+        self.model, self.params = model, params
+        self.grads = {name: p.grad for name, p in params.items()}
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.training = [(m, m.training) for m in model.modules()]
+
+    def restore_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                buffer.copy_(value)
+
+    def restore(self) -> None:
+        self.restore_buffers()
+        for module, flag in self.training:
+            module.training = flag
+        for name, p in self.params.items():
+            p.grad = self.grads[name]

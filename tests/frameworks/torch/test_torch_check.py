@@ -100,7 +100,7 @@ def test_check_rejects_bad_input():
         accumcheck.torch.check(net, loss_fn, batches, accum_steps=9)
     with pytest.raises(accumcheck.AccumcheckError, match="pass accum_steps"):
         accumcheck.torch.check(net, loss_fn, lambda i: batches[i])
-    with pytest.raises(accumcheck.AccumcheckError, match="scalar tensor"):
+    with pytest.raises(accumcheck.AccumcheckError, match="scalar loss tensor"):
         accumcheck.torch.check(net, lambda out, t: out.sum(-1), batches, accum_steps=2)
     with pytest.raises(accumcheck.AccumcheckError, match="no parameter named 'nope'"):
         accumcheck.torch.check(net, loss_fn, batches, accum_steps=2, inject="scale:nope")

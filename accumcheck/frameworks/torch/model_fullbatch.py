@@ -1,0 +1,41 @@
+"""A user's model in float64: the accumulated gradient of its micro-batches (the oracle), and the
+gradient of the same micro-batches joined into one batch (the full-batch check)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ...backend import FullBatchGap, Progress
+from .accumulate import accumulate
+from .model import to_numpy
+from .userbatch import item_count, join, micro_loss, to_device
+
+
+def full_batch_gap(twin: Any, params: dict[str, Any], step_loss: Callable[[int], Any], batches: list[Any] | None,
+                   accum_steps: int, loss_fn: Callable[..., Any] | None, step: Callable[[Any, Any], Any] | None,
+                   collate: Callable[[list[Any]], Any] | None, loss_reduction: str,
+                   progress: Progress | None = None) -> tuple[FullBatchGap | None, dict[str, np.ndarray]]:
+    """``twin`` is the float64 copy of the model and ``params`` its parameters by name. Returns
+    the full-batch comparison (None without ``batches``) and the accumulated float64 gradients."""
+    buffers = [(b, b.detach().clone()) for b in twin.buffers()]
+    micro = accumulate(params, step_loss, accum_steps, None, progress, "float64 model")["native"]
+    accumulated = {name: to_numpy(g) for name, g in micro.items()}
+    if batches is None:
+        return None, accumulated
+    with torch.no_grad():  # the whole batch starts from the state the micro-batches started from
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    device = next(iter(params.values())).device
+    whole = to_device(join(batches, collate), device, torch.float64)
+    for p in params.values():
+        p.grad = None
+    micro_loss(twin, whole, "the micro-batches joined into one batch", loss_fn, step).backward()
+    full = {name: to_numpy(p.grad) if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
+    scale = 1.0 / accum_steps if loss_reduction == "mean" else 1.0
+    counts = [item_count(b, loss_fn is not None) for b in batches]
+    return FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by="1/N" if scale != 1.0 else "1",
+                        accumulated={name: g * scale for name, g in accumulated.items()}, full=full,
+                        item_counts=None if None in counts else counts), accumulated

@@ -1,0 +1,118 @@
+"""A user's micro-batch on its way to a loss: moved to the model's device, met with the model as
+the user's loop does (``accumcheck.usermodel``), and, for the full-batch check, N of them joined
+into one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ...errors import AccumcheckError
+from ...usermodel import apply_loss, call_model, model_error, own_loss, split_batch
+
+IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models skip
+
+
+def to_device(value: Any, device: Any, dtype: Any = None) -> Any:
+    """``value`` with every tensor in it on ``device`` (floating ones in ``dtype`` when given),
+    through tuples, lists, named tuples and mappings; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_device(v, device, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device, dtype) for v in value)
+    return value
+
+
+def is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def micro_loss(model: Any, batch: Any, index: int | str, loss_fn: Callable[..., Any] | None,
+               step: Callable[[Any, Any], Any] | None) -> Any:
+    """The scalar loss of micro-batch ``index`` (or of the batch a string names), computed as the
+    user's loop computes it."""
+    try:
+        if step is not None:
+            loss, what = step(model, batch), "step"
+        else:
+            inputs, target = split_batch(batch, loss_fn is not None)
+            output = call_model(model, inputs)
+            loss, what = (apply_loss(loss_fn, output, target), "loss_fn") if loss_fn is not None else \
+                (own_loss(output, is_scalar), "the model")
+    except AccumcheckError:
+        raise
+    except Exception as exc:  # the user's model, loss or step failed on this batch
+        culprit = "step" if step is not None else "the model or loss_fn" if loss_fn is not None else "the model"
+        raise model_error(exc, index, culprit) from exc
+    if not (is_scalar(loss) and loss.is_floating_point()):
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        where = f"micro-batch {index}" if isinstance(index, int) else index
+        raise AccumcheckError(f"check: {what} must return a scalar loss tensor, got {got} on {where}; "
+                              "reduce it with .mean() or .sum()")
+    if not loss.requires_grad:
+        raise AccumcheckError(f"check: the loss of micro-batch {index} does not depend on any parameter (no grad_fn); "
+                              "is the forward run under torch.no_grad()?")
+    return loss
+
+
+def join(batches: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
+    """N micro-batches as one batch: ``collate(batches)``, or tensors concatenated along the batch
+    axis (dim 0) through tuples, lists and mappings."""
+    if collate is not None:
+        try:
+            return collate(batches)
+        except Exception as exc:
+            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
+    return _concatenate(batches, "batch")
+
+
+def _concatenate(parts: list[Any], where: str) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise _cannot(where, "is a tensor in some micro-batches only")
+        if first.dim() == 0 or any(p.shape[1:] != first.shape[1:] for p in parts):
+            shapes = sorted({tuple(p.shape) for p in parts})
+            raise _cannot(where, f"has shapes {shapes[0]} and {shapes[-1]}, which do not join along the batch axis "
+                                 "(pad every micro-batch to one length)")
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
+            raise _cannot(where, "has different keys in different micro-batches")
+        return {k: _concatenate([p[k] for p in parts], f"{where}[{k!r}]") for k in first}
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
+            raise _cannot(where, "has different lengths in different micro-batches")
+        items = [_concatenate([p[i] for p in parts], f"{where}[{i}]") for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if all(p is None for p in parts):
+        return None
+    if all(type(p) is type(first) and p == first for p in parts):
+        return first  # the same setting in every micro-batch
+    raise _cannot(where, f"is a {type(first).__name__} that differs between micro-batches")
+
+
+def _cannot(where: str, why: str) -> AccumcheckError:
+    return AccumcheckError(f"full_batch: cannot join the micro-batches into one: {where} {why}; "
+                           "pass collate=lambda batches: one_batch")
+
+
+def item_count(batch: Any, loss_fn_given: bool) -> int | None:
+    """Labelled items of a micro-batch (elements of the integer target, or of a Hugging Face
+    ``labels``, that are not -100), or None where the batch does not say."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+    elif loss_fn_given and isinstance(batch, (tuple, list)) and len(batch) == 2:
+        labels = batch[1]
+    else:
+        labels = None
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() > 0:
+        return int((labels != IGNORE_INDEX).sum())
+    return None
