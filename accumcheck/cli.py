@@ -21,13 +21,14 @@ from .casefile import builtin_cases
 from .errors import AccumcheckError
 from .files import check_output_file, check_output_folder, write_or_rescue
 from .launch import launched_rank, launched_world_size
-from .options import RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
+from .options import MODES, REDUCTIONS, RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
 from .registry import backend_names, backend_options
 from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
 from .render.table import cases_table
 from .render.text import one_line
 from .report import Report, diff_reports, load_report
+from .setupfile import load_setup, run_setup
 from .validation import configure
 from .version import __version__
 
@@ -76,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("report_b", metavar="B.json")
     diff.add_argument("--format", choices=("table", "markdown"), default="table", help="(default: %(default)s)")
 
+    check = sub.add_parser("check", help="check your own model, set up by a function in a Python file")
+    check.add_argument("setup", metavar="FILE.py[:FUNCTION]",
+                       help="a Python file whose FUNCTION (default accumcheck_setup) returns check's arguments: "
+                            "model, batches, and loss_fn or step, ...")
+    check.add_argument("--accum-steps", type=_accum_steps().from_text, metavar="N",
+                       help="micro-steps (default: the setup's accum_steps, else every batch)")
+    check.add_argument("--inject", metavar="KIND[:PARAM]", help="perturb the native accumulation to prove the check fires")
+    check.add_argument("--oracle", action="store_true", default=None, help="also run a float64 copy of the model")
+    check.add_argument("--mode", choices=MODES, help="what fills the native slot (torch)")
+    check.add_argument("--full-batch", action="store_true", default=None,
+                       help="also compare with the micro-batches joined into one batch (float64; torch)")
+    check.add_argument("--loss-reduction", choices=REDUCTIONS,
+                       help="how the loop normalises the window, for --full-batch (mean: divides by N)")
+    check.add_argument("--train-mode", action="store_true", default=None,
+                       help="run the model in training mode, dropout off")
+    _add_output_options(check, plot=True)
+
     sub.add_parser("cases", help="list the built-in cases")
 
     show = sub.add_parser("show", help="re-render a saved JSON report")
@@ -104,10 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("give a command: compare, sweep, train, diff, cases or show")
+        parser.error("give a command: compare, sweep, train, check, diff, cases or show")
     try:
         return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
-                "train": _train}[args.command](args)
+                "train": _train, "check": _check}[args.command](args)
     except AccumcheckError as exc:
         rank = launched_rank()
         print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
@@ -185,6 +203,19 @@ def _train(args: argparse.Namespace) -> int:
         sys.stdout.write(report.to_json())
     if args.format == "table" or args.output:
         render_console(report, _console())
+    return report.exit_code
+
+
+def _check(args: argparse.Namespace) -> int:
+    _check_outputs(args)
+    setup = load_setup(args.setup)
+    overrides = {name: getattr(args, name) for name in ("accum_steps", "inject", "oracle", "mode", "full_batch",
+                                                        "loss_reduction", "train_mode")}
+    with _LazyProgress() as progress:
+        report = run_setup(args.setup, setup, {k: v for k, v in overrides.items() if v is not None}, progress)
+    _emit(report, args)
+    if args.plot:
+        _plots([report], args.plot)
     return report.exit_code
 
 

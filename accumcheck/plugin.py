@@ -6,7 +6,8 @@ it, so that a test run that does not use accumcheck pays nothing for it being in
 --accum-steps, --accum-framework, --accum-device, --accum-case (comma lists: one run of each
 test per item), --accum-world-size, --accum-report. Tests that ask for the fixtures
 ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run once per
-combination; ``accum_compare`` runs a case with them and saves its report.
+combination; ``accum_compare`` runs a case with them and saves its report, ``accum_check`` runs
+your own model's check at the run's steps and saves its report.
 
 A test in which ``accumcheck.compare`` itself raised (an AccumcheckError for a bad case or
 option, or a bug in accumcheck) is reported as an error (E), not as a failure (F): a failure is
@@ -178,6 +179,27 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
             options.setdefault("world_size", world)
         try:
             report = compare(case, **options)
+        except Exception as exc:  # accumcheck could not run the check: an error, not a finding
+            request.node.stash[_RAISED] = (_one_line(exc), exc)
+            raise
+        _save(request, report)
+        return report
+
+    return run
+
+
+@pytest.fixture
+def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Callable[..., Any]:
+    """``accum_check(model, loss_fn=None, batches=..., **kwargs)``: your own model's check
+    (``accumcheck.<framework>.check``, the framework told by the model's class) at this run's steps (--accum-steps; ``accum_steps=`` when not given, default 16); the report
+    is saved under --accum-report when given."""
+
+    def run(model: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["accum_steps"] = accum_steps if accum_steps is not None else kwargs.get("accum_steps", 16)
+        try:
+            from .setupfile import user_check
+
+            report = user_check(model, "accum_check")[1](model, *args, **kwargs)
         except Exception as exc:  # accumcheck could not run the check: an error, not a finding
             request.node.stash[_RAISED] = (_one_line(exc), exc)
             raise

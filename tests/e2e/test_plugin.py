@@ -202,3 +202,61 @@ def test_the_docs_example_test_file_runs(pytester):
     pytester.makepyfile(test_accumulation=example)
     result = pytester.runpytest_subprocess("--accum-steps", "16,32")
     result.assert_outcomes(passed=2)
+
+
+HF_STYLE_TESTS = """
+import torch
+import accumcheck
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.embed(input_ids))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, 50, (2, 8), generator=gen),
+             "labels": torch.randint(0, 50, (2, 8), generator=gen)} for _ in range(n)]
+
+
+def test_faithful(accum_check):
+    report = accum_check(TinyLM(), batches=batches(32))
+    accumcheck.assert_faithful(report)
+    assert report.accum_steps in (4, 8)
+
+
+def test_fault(accum_check):
+    accumcheck.assert_faithful(accum_check(TinyLM(), batches=batches(32), inject="scale"))
+
+
+def test_bad_batches(accum_check):
+    accum_check(TinyLM(), batches=[("a", "b")] * 32)
+
+
+def test_not_a_model(accum_check):
+    accum_check(object(), batches=batches(4))
+"""
+
+
+@needs_torch
+def test_accum_check_runs_your_own_model_at_each_step_count(pytester, tmp_path):
+    pytester.makepyfile(HF_STYLE_TESTS)
+    result = pytester.runpytest_subprocess("--accum-steps", "4,8", "--accum-report", str(tmp_path), "-v")
+    result.assert_outcomes(passed=2, failed=2, errors=4)
+    out = result.stdout.str()
+    for line in ("test_fault[N4] FAILED", "test_bad_batches[N8] ERROR", "Gradient accumulation is not faithful (case TinyLM",
+                 "accumcheck raised AccumcheckError: check: the model raised TypeError",
+                 "object is not a model of a framework accumcheck checks here"):
+        assert line in out, line
+    saved = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(saved) == 4 and all("test_f" in name for name in saved)
+    assert json.loads((tmp_path / saved[0]).read_text())["config"]["model"] == "TinyLM"

@@ -3,6 +3,8 @@ passes (``passes``). MXNet itself is imported inside the methods only."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 from ...backend import Backend, Capabilities, Progress, RunResult
@@ -35,6 +37,11 @@ class MXNetBackend(Backend):
         from .library import mx
 
         return {"mxnet": mx.__version__}
+
+    def model_check(self) -> Callable[..., Any]:
+        from .model_check import check
+
+        return check
 
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:

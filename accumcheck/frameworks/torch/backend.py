@@ -5,6 +5,8 @@ inside the methods only."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 from ...backend import Backend, Capabilities, Progress, RunResult
@@ -36,6 +38,11 @@ class TorchBackend(Backend):
         if torch.version.cuda:
             found["cuda"] = torch.version.cuda
         return found
+
+    def model_check(self) -> Callable[..., Any]:
+        from .model_check import check
+
+        return check
 
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:

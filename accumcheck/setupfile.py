@@ -1,0 +1,98 @@
+"""``accumcheck check FILE.py[:FUNCTION]``: your own model from a Python file. The function
+(default ``accumcheck_setup``) returns the keyword arguments of the model's framework's check
+(``accumcheck.<framework>.check``: at least ``model`` and ``batches``); the framework is the
+backend that owns the model's class."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+from .backend import Backend
+from .errors import AccumcheckError
+from .registry import backend_names, get_backend
+
+DEFAULT_FUNCTION = "accumcheck_setup"
+
+
+def user_check(model: Any, what: str = "check") -> tuple[str, Callable[..., Any]]:
+    """The framework of ``model`` and its check (``accumcheck.<framework>.check``), told by the
+    model's class without importing a framework."""
+    for name in backend_names():
+        backend = get_backend(name, installed=False)
+        if backend.owns(model):
+            check = get_backend(name).model_check()  # now installed for certain: the model is one
+            if check is None:
+                break
+            return name, check
+    able = [n for n in backend_names() if get_backend(n, installed=False).model_check is not Backend.model_check]
+    raise AccumcheckError(f"{what}: {type(model).__name__} is not a model of a framework accumcheck checks here "
+                          f"({', '.join(able)}); pass a model of one of them")
+
+
+def load_setup(target: str) -> dict[str, Any]:
+    """The keyword arguments FILE.py:FUNCTION returns. Raises AccumcheckError, in one line, for a
+    missing file or function, a file or function that raises, or a result that is not a mapping
+    with ``model`` and ``batches``."""
+    path_text, _, function = target.partition(":") if not Path(target).is_file() else (target, "", "")
+    function = function or DEFAULT_FUNCTION
+    path = Path(path_text)
+    if path.suffix != ".py" or not path.is_file():
+        raise AccumcheckError(f"check {target}: {path_text} is not a Python file here; give FILE.py or "
+                              f"FILE.py:FUNCTION (default function: {DEFAULT_FUNCTION})")
+    module = _import(path)
+    make = getattr(module, function, None)
+    if not callable(make):
+        raise AccumcheckError(f"check {target}: {path.name} defines no function {function!r}; define it, or name "
+                              f"yours as {path_text}:NAME")
+    try:
+        setup = make()
+    except Exception as exc:
+        raise AccumcheckError(f"check {target}: {function}() raised {type(exc).__name__}: {_first(exc)}") from exc
+    if not isinstance(setup, Mapping) or "model" not in setup or "batches" not in setup:
+        raise AccumcheckError(f"check {target}: {function}() must return a dict of check's arguments with at least "
+                              f"'model' and 'batches', got {type(setup).__name__}"
+                              + (f" with {', '.join(map(str, setup))}" if isinstance(setup, Mapping) else ""))
+    return dict(setup)
+
+
+def run_setup(target: str, setup: dict[str, Any], overrides: dict[str, Any], progress: Any = None) -> Any:
+    """The check of ``setup``'s model with the command line's ``overrides``; its Report records
+    the command that reruns it."""
+    setup = dict(setup)
+    model = setup.pop("model")
+    framework, check = user_check(model, f"check {target}")
+    accepted = set(inspect.signature(check).parameters)
+    for name in list(setup) + list(overrides):
+        if name not in accepted:
+            flag = "--" + name.replace("_", "-")
+            raise AccumcheckError(f"check {target}: {flag if name in overrides else repr(name)} is not an argument of "
+                                  f"accumcheck.{framework}.check "
+                                  f"(it takes {', '.join(sorted(accepted - {'model', 'block'}))})")
+    report = check(model, **{**setup, **overrides, "progress": progress})
+    report.config["setup"] = target
+    report.config["command_options"] = {k: v for k, v in overrides.items() if v is not None}
+    return report
+
+
+def _import(path: Path) -> Any:
+    name = f"accumcheck_setup_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.resolve().parent))  # the file's own imports of its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise AccumcheckError(f"check {path}: importing it raised {type(exc).__name__}: {_first(exc)}") from exc
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module
+
+
+def _first(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else "no message"
