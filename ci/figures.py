@@ -2,8 +2,8 @@
 
     python ci/figures.py                      # recompute each group this environment can run; compare
     python ci/figures.py --write              # ... and write the new values into the text
-    python ci/figures.py --group torch        # one group (torch, data-parallel, mxnet, mxnet-1.6.0,
-                                              # benchmarks); --list shows them
+    python ci/figures.py --group torch        # one group (torch, your-model, data-parallel, mxnet,
+                                              # mxnet-1.6.0, benchmarks); --list shows them
 
 In the text a figure is marked ``<!--fig NAME-->text<!--/fig-->``: inline, around a number in a
 sentence, or on lines of their own around a whole console block. The markers are HTML comments,
@@ -205,6 +205,25 @@ def torch_figures() -> dict[str, str]:
     return figures
 
 
+@group("your-model", needs="transformers")
+def your_model_figures() -> dict[str, str]:
+    """accumcheck check on examples/llama_window.py: the three loss normalisations of a window."""
+    figures: dict[str, str] = {}
+    setup = "examples/llama_window.py"
+    command = ["check", f"{setup}:per_micro_batch_mean", "--full-batch", "--accum-steps", "4"]
+    _, out = cli(*command)
+    figures["your-model.mean.console"] = console(
+        "accumcheck " + " ".join(command), out,
+        lambda lines: [line for line in lines if line.startswith(("model ", "full batch", "reproduce"))]
+        + ["...", lines[-1]])
+    for name, reduction in (("token-count", "token_count"), ("twice", "mean")):
+        _, out = cli("check", f"{setup}:token_count", "--full-batch", "--loss-reduction", reduction)
+        full = next(line for line in out.splitlines() if line.startswith("full batch"))
+        figures[f"your-model.{name}.verdict"] = f"`{re.split(r'scale, at [^:]+: ', full)[1]}`"
+        figures[f"your-model.{name}.summary"] = f"`{out.strip().splitlines()[-1]}`"
+    return figures
+
+
 @group("data-parallel", needs="torch")
 def data_parallel_figures() -> dict[str, str]:
     import accumcheck
@@ -382,7 +401,7 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 
 def unknown_marks() -> list[str]:
-    known_prefixes = {"torch", "dp", "mxnet", "bench", "mutation"}
+    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 

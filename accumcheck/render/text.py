@@ -107,7 +107,7 @@ def summary_line(report: Report) -> str:
     flagged = report.flagged
     if report.semantic_mismatch and not flagged:
         headline = report.full_batch.headline
-        return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.loss_reduction}'; "
+        return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.full_batch.normalisation}'; "
                 f"every tensor is numerically faithful)" + (f": {headline}" if headline else ""))
     if flagged:
         named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
