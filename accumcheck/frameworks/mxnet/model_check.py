@@ -1,17 +1,22 @@
 """Check gradient accumulation on your own MXNet Gluon block.
 
     import accumcheck.mxnet
-    report = accumcheck.mxnet.check(net, loss_fn, batches, accum_steps=16, ctx=mx.cpu())
-    assert report.exit_code == 0, [t.name for t in report.flagged]
+    report = accumcheck.mxnet.check(net, loss_fn, batches, accum_steps=16)
+    accumcheck.assert_faithful(report)
 
 The block runs once with ``grad_req='add'`` and once with ``grad_req='write'`` plus a buffer, on
 the same batches; each parameter tensor is judged as ``accumcheck compare`` judges a case. The
-block's parameters, their ``grad_req`` and their gradients are as they were afterwards.
+block is left as it was found: parameters (BatchNorm's running statistics too), their
+``grad_req`` and gradients, parameters still waiting for deferred initialisation, Dropout rates.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import time
+from collections.abc import Mapping
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -19,76 +24,239 @@ import numpy as np
 from ...backend import ParamAccumulation, Progress, RunResult
 from ...cases import infer_kind
 from ...errors import AccumcheckError
-from ...faults import parse_fault, resolve_fault
+from ...faults import Fault, parse_fault, resolve_fault
 from ...judge import build_report
 from ...report import Report
-from ...usermodel import Batch, batch_source
+from ...usermodel import Batch, apply_loss, batch_source, call_model, model_error, own_loss, split_batch
+from .blockstate import (
+    AuxState,
+    clear_cached_ops,
+    deferred_kept,
+    grads_kept,
+    layers_for_check,
+    materialised,
+    never_initialised,
+    unique_params,
+)
 from .library import mx
 from .passes import manual_pass, native_pass
 from .run import KERNEL_ALLOWANCE
 
+CPP_TRACEBACK = ("Traceback (most recent call last)", "  File ")
+CPP_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[10:37:19] ../src/operator/nn/convolution.cc:151: "
+Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
+StepFunction = Callable[[Any, Batch], Any]
 
-def check(block: Any, loss_fn: Callable[[Any, Any], Any], batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch],
+
+def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
           accum_steps: int | None = None, ctx: Any = None, inject: str | None = None,
-          progress: Progress | None = None) -> Report:
+          progress: Progress | None = None, *, step: StepFunction | None = None, train_mode: bool = False,
+          full_batch: bool = False) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
-    ``block`` is an initialised Gluon Block (hybridized or not); ``loss_fn(output, label)`` returns
-    the loss NDArray whose ``backward()`` gives the gradients; ``batches`` is a sequence or
-    iterable of ``(data, label)`` pairs (the first ``accum_steps`` are used; default all) or a
-    function of the micro-step index. ``ctx`` defaults to the parameters' first context.
-    ``inject`` (e.g. ``"scale"`` or ``"drop-step:dense0_weight"``) perturbs the native
-    accumulation to prove the check fires. Returns a Report; raises AccumcheckError for bad input.
+    ``block`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
+    ``batches`` is a sequence or iterable of batches (the first ``accum_steps`` are used; default
+    all) or a function of the micro-step index. A batch is ``(inputs, label)`` for
+    ``loss_fn(output, label)``; ``(inputs,)``, ``(inputs, None)`` or bare inputs for
+    ``loss_fn(output)``; without ``loss_fn`` the block's inputs, and the block returns its own loss.
+    Inputs are passed as ``block(x)``, ``block(*tuple)``, or a dict by the names of the block's
+    forward parameters; NDArrays and numpy arrays are moved to ``ctx`` (default: the parameters'
+    first context). ``step(block, batch)``
+    instead computes the loss itself. ``train_mode`` records with BatchNorm on batch statistics
+    (Dropout stays off). ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the
+    native accumulation to prove the check fires. Returns a Report; raises AccumcheckError for bad
+    input and for an exception raised by the block, the loss or the step function.
     """
     started = time.perf_counter()
-    params = {name: p for name, p in block.collect_params().items() if p.grad_req != "null"}
-    if not params:
-        raise AccumcheckError("check: the block has no parameter with a gradient (all grad_req='null')")
+    _check_arguments(block, loss_fn, batches, step, full_batch)
+    fault = parse_fault(inject) if inject is not None else None
+    everything, aliases = unique_params(block)
+    _check_initialised(everything)
     get_batch, steps = batch_source(batches, accum_steps)
-    ctx = ctx if ctx is not None else next(iter(params.values())).list_ctx()[0]
-    kinds = {name: infer_kind(name, len(p.shape)) for name, p in params.items()}
-    fault = None
-    if inject is not None:
-        fault = resolve_fault(parse_fault(inject), list(kinds.items()), steps)
-
-    def step(index: int) -> tuple[Any, Any]:
-        data, label = get_batch(index)
-        out = block(data.as_in_context(ctx))
-        return loss_fn(out, label.as_in_context(ctx)), out
-
-    saved = _save(params)
-    refresh = getattr(block, "_clear_cached_op", None)  # a hybridized block rebuilds its graph for the new grad_req
-    try:
-        native, native_loss, _ = native_pass(params, step, steps, ctx, fault, progress, refresh=refresh)
-        manual, exact, absum, manual_loss, _ = manual_pass(params, step, steps, ctx, progress, refresh=refresh)
-    finally:
-        _restore(params, saved, refresh)
-    run = RunResult(
-        params=[ParamAccumulation(name, kinds[name], native[name], manual[name], exact[name], absum[name])
-                for name in params],
-        framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
-        param_dtype=np.dtype(next(iter(params.values())).dtype).name,
-        accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
-        losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss},
-        settings={"hybridize": bool(getattr(block, "_active", False))},
-        notes=["hybridized" if getattr(block, "_active", False) else "imperative"])
+    ctx = _context(everything, ctx)
+    micro = MicroStep(block, get_batch, ctx, loss_fn, step)
+    notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
+    with deferred_kept(everything, block) as deferred:
+        if deferred:
+            micro(0)  # no recording: the forward that initialises them, as the block's first call would
+            notes.append("parameters initialised from micro-batch 0's shapes (deferred initialisation), "
+                         "deferred again afterwards")
+        params = {name: p for name, p in everything.items() if materialised(p) and p.grad_req != "null"}
+        idle = [name for name in deferred if not materialised(everything[name])]
+        if idle:
+            notes.append(f"not initialised by micro-batch 0, so not judged: {', '.join(idle)}")
+        if not params:
+            raise AccumcheckError("check: the block has no parameter with a gradient (all grad_req='null')")
+        kinds = {name: infer_kind(name, len(p.shape)) for name, p in params.items()}
+        if fault is not None:
+            fault = resolve_fault(fault, list(kinds.items()), steps)
+        aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
+        grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode)
+    settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode}
+    run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings)
     return build_report(None, run, steps, fault, False, time.perf_counter() - started,
                         config={"model": type(block).__name__})
 
 
-def _save(params: dict[str, Any]) -> dict[str, tuple[str, list[Any]]]:
-    saved = {}
-    for name, p in params.items():
-        grads = [g.copy() for g in p.list_grad()] if p.grad_req != "null" else []
-        saved[name] = (p.grad_req, grads)
-    return saved
+class MicroStep:
+    """The user's micro-step ``index`` on ``ctx``: (loss, output). An exception raised by the
+    user's code becomes a one-line AccumcheckError naming the micro-batch."""
+
+    def __init__(self, block: Any, get_batch: Callable[[int], Batch], ctx: Any, loss_fn: Callable[..., Any] | None,
+                 step: StepFunction | None):
+        self.block, self.get_batch, self.ctx, self.loss_fn, self.step = block, get_batch, ctx, loss_fn, step
+        self.index = 0
+
+    def __call__(self, index: int) -> tuple[Any, Any]:
+        self.index = index
+        batch = on_context(guarded(index, "batches", self.get_batch, index), self.ctx)
+        if self.step is not None:
+            loss = guarded(index, "step", self.step, self.block, batch)
+            return _loss_array(loss, "step"), loss
+        inputs, target = split_batch(batch, self.loss_fn is not None)
+        out = guarded(index, "the block", call_block, self.block, inputs)
+        if self.loss_fn is None:
+            return own_loss(out, _is_scalar), out
+        return _loss_array(guarded(index, "loss_fn", apply_loss, self.loss_fn, out, target), "loss_fn"), out
 
 
-def _restore(params: dict[str, Any], saved: dict[str, tuple[str, list[Any]]], refresh: Callable[[], None] | None) -> None:
+def call_block(block: Any, inputs: Any) -> Any:
+    """call_model, but a mapping is bound to the names of the block's forward parameters: Gluon's
+    Block.__call__ takes no keyword arguments."""
+    if not isinstance(inputs, Mapping):
+        return call_model(block, inputs)
+    hybrid = isinstance(block, mx.gluon.HybridBlock)
+    signature = inspect.signature(block.hybrid_forward if hybrid else block.forward)
+    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params[1:]] if hybrid else [p.name for p in params]  # hybrid_forward(self, F, ...)
+    unknown = [key for key in inputs if key not in names]
+    if unknown:
+        raise AccumcheckError(f"check: the batch has {', '.join(map(repr, unknown))}, which "
+                              f"{type(block).__name__}.forward does not take (it takes {', '.join(names)}); "
+                              "give a dict of its parameter names, a tuple, or pass step=lambda block, batch: loss")
+    count = max(names.index(key) for key in inputs) + 1
+    defaults = {p.name: None if p.default is p.empty else p.default for p in params}
+    return block(*(inputs[name] if name in inputs else defaults[name] for name in names[:count]))
+
+
+def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its exception (not an AccumcheckError) turned into model_error's one line."""
+    try:
+        return fn(*args)
+    except AccumcheckError:
+        raise
+    except Exception as exc:
+        raise model_error(_readable(exc), index, what) from exc
+
+
+def on_context(value: Any, ctx: Any) -> Any:
+    """NDArrays moved to ``ctx`` and numpy arrays made NDArrays there, through tuples, lists and dicts."""
+    if isinstance(value, mx.nd.NDArray):
+        return value.as_in_context(ctx)
+    if isinstance(value, np.ndarray):
+        return mx.nd.array(value, ctx=ctx)
+    if isinstance(value, Mapping):
+        return {key: on_context(item, ctx) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(on_context(item, ctx) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(on_context(item, ctx) for item in value)
+    return value
+
+
+def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int, ctx: Any,
+            fault: Fault | None, progress: Progress | None, train_mode: bool) -> dict[str, Any]:
+    """Both passes, each from the auxiliary state as found; the block as found afterwards."""
+    refresh = partial(clear_cached_ops, block)
+    counts: dict[str, int] = {}
+    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
+        try:
+            native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
+            aux.restore()
+            manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
+                                                               counts=counts)
+        except mx.base.MXNetError as exc:  # raised by backward(), or by an operator at the next wait
+            raise model_error(_readable(exc), micro.index, "the backward pass") from exc
+    return {"native": native, "manual": manual, "exact": exact, "absum": absum, "counts": counts,
+            "losses": {"mean_loss": native_loss, "manual_mean_loss": manual_loss}}
+
+
+def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str, tuple[str, ...]],
+                grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any]) -> RunResult:
+    param_dtype = np.dtype(next(iter(params.values())).dtype).name
+    accumulations = []
     for name, p in params.items():
-        req, grads = saved[name]
-        p.grad_req = req
-        for target, value in zip(p.list_grad(), grads):
-            target[:] = value
-    if refresh is not None:
-        refresh()
+        dtype, count = np.dtype(p.dtype).name, grads["counts"][name]
+        accumulations.append(ParamAccumulation(
+            name, kinds[name], grads["native"][name], grads["manual"][name], grads["exact"][name],
+            grads["absum"][name], dtype=None if dtype == param_dtype else dtype, aliases=aliases.get(name, ()),
+            steps_with_grad=count if count < steps else None))
+    return RunResult(params=accumulations, framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
+                     param_dtype=param_dtype, accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
+                     losses=grads["losses"], settings=settings, notes=notes)
+
+
+def _check_arguments(block: Any, loss_fn: Any, batches: Any, step: Any, full_batch: bool) -> None:
+    if full_batch:
+        raise AccumcheckError("check: full_batch=True is not available for a Gluon block yet; the full-batch "
+                              "check runs on PyTorch models (accumcheck.torch.check)")
+    if not isinstance(block, mx.gluon.Block):
+        raise AccumcheckError(f"check: block must be a gluon.Block, got a {type(block).__name__}")
+    if batches is None:
+        raise AccumcheckError("check: batches is required: pass batches=[(data, label), ...] "
+                              "(or a function of the micro-step index, with accum_steps)")
+    if loss_fn is not None and step is not None:
+        raise AccumcheckError("check: pass loss_fn or step, not both: step(block, batch) returns the loss itself")
+    for what, fn in (("loss_fn", loss_fn), ("step", step)):
+        if fn is not None and not callable(fn):
+            raise AccumcheckError(f"check: {what} must be callable, got a {type(fn).__name__}")
+
+
+def _check_initialised(params: dict[str, Any]) -> None:
+    if not params:
+        raise AccumcheckError("check: the block has no parameters")
+    missing = never_initialised(params)
+    if missing:
+        raise AccumcheckError(f"check: the block is not initialised (parameter {missing[0]!r} has no value); "
+                              "call net.initialize() (e.g. net.initialize(mx.init.Xavier())) before check")
+
+
+def _context(params: dict[str, Any], ctx: Any) -> Any:
+    where = next(iter(params.values())).list_ctx()
+    if ctx is None:
+        return where[0]
+    if ctx not in where:
+        raise AccumcheckError(f"check: the block's parameters are on {where[0]}, not {ctx}; "
+                              f"pass ctx={where[0]} or initialise the block on {ctx}")
+    return ctx
+
+
+def _mode_note(train_mode: bool) -> str:
+    if train_mode:
+        return "train_mode: BatchNorm on batch statistics, Dropout off"
+    return "BatchNorm on running statistics, Dropout off"
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, mx.nd.NDArray) and value.size == 1
+
+
+def _loss_array(loss: Any, what: str) -> Any:
+    if not isinstance(loss, mx.nd.NDArray):
+        raise AccumcheckError(f"check: {what} returned a {type(loss).__name__}, not an NDArray; return the loss "
+                              "NDArray (per example or scalar) whose backward() gives the gradients")
+    return loss
+
+
+def _readable(exc: Exception) -> Exception:
+    """The exception with MXNet's C++ traceback lines and source locations taken out of its text,
+    so that its first line says what failed."""
+    lines = [line.removeprefix("MXNetError: ") for line in str(exc).strip().splitlines()
+             if not line.startswith(CPP_TRACEBACK)]
+    text = CPP_LOCATION.sub("", "\n".join(lines))
+    if text == str(exc):
+        return exc
+    try:
+        return type(exc)(text)
+    except Exception:
+        return exc

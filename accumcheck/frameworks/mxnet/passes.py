@@ -87,10 +87,19 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
 
 
 def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any, progress: Progress | None,
-                refresh: Callable[[], None] | None = None) -> tuple[dict, dict, dict, float, np.ndarray]:
+                refresh: Callable[[], None] | None = None,
+                counts: dict[str, int] | None = None) -> tuple[dict, dict, dict, float, np.ndarray]:
     """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64).
-    Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy)."""
+    Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy). With
+    ``counts`` every gradient is zeroed before each micro-step and counts[name] becomes the number
+    of micro-steps whose gradient was not all zero."""
     _set_grad_req(params, {}, "write", refresh)
+    # grad_req='write' leaves the gradient of a parameter outside this micro-step's graph as it was.
+    zero = counts is not None
+    hits = {name: 0 for name in params} if zero else None
+    if zero:
+        for param in params.values():
+            param.zero_grad()
     # On the CPU each gradient is added by one compiled pass into numpy buffers (MXNet's
     # elementwise operators and concat are slow there); on a GPU the adds stay on the device.
     # Element by element both are acc[name][:] += p.grad().
@@ -109,7 +118,7 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
         if on_cpu:
             # Copy on MXNet's engine, read on the host one micro-step later: the host waits for a
             # gradient only while the engine already runs the next micro-step.
-            _add_on_host(pending, acc, exact, absum)
+            _add_on_host(pending, acc, exact, absum, hits)
             pending = {name: param.grad().copy() for name, param in params.items()}
         else:
             for name, param in params.items():
@@ -118,9 +127,16 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
                 wide = grad.astype("float64")
                 exact[name][:] += wide
                 absum[name][:] += mx.nd.abs(wide)
+                if zero:
+                    hits[name] = hits[name] + (grad != 0).max()
+        if zero:
+            for param in params.values():
+                param.zero_grad()
         if progress is not None:
             progress("manual: grad_req='write' + buffer", index + 1, accum_steps)
-    _add_on_host(pending, acc, exact, absum)
+    _add_on_host(pending, acc, exact, absum, hits)
+    if zero:
+        counts.update({name: int(hit if isinstance(hit, int) else hit.asscalar()) for name, hit in hits.items()})
 
     def split(values: dict[str, Any]) -> dict[str, np.ndarray]:
         return values if on_cpu else {name: v.asnumpy() for name, v in values.items()}
@@ -144,6 +160,9 @@ def _micro_steps(step: StepFn, accum_steps: int, losses: list[Any]) -> Iterator[
         yield index, out
 
 
-def _add_on_host(grads: dict[str, Any], acc: dict, exact: dict, absum: dict) -> None:
+def _add_on_host(grads: dict[str, Any], acc: dict, exact: dict, absum: dict, hits: dict[str, Any] | None) -> None:
     for name, grad in grads.items():
-        add_step(grad.asnumpy().reshape(-1), acc[name].reshape(-1), exact[name].reshape(-1), absum[name].reshape(-1))
+        flat = grad.asnumpy().reshape(-1)
+        add_step(flat, acc[name].reshape(-1), exact[name].reshape(-1), absum[name].reshape(-1))
+        if hits is not None and flat.any():
+            hits[name] += 1
