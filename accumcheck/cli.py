@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how the loop normalises the window, for --full-batch (mean: divides by N)")
     check.add_argument("--train-mode", action="store_true", default=None,
                        help="run the model in training mode, dropout off")
+    check.add_argument("--force", action="store_true", default=None,
+                       help="run even where the check's memory estimate exceeds what is available")
     _add_output_options(check, plot=True)
 
     sub.add_parser("cases", help="list the built-in cases")
@@ -210,7 +212,7 @@ def _check(args: argparse.Namespace) -> int:
     _check_outputs(args)
     setup = load_setup(args.setup)
     overrides = {name: getattr(args, name) for name in ("accum_steps", "inject", "oracle", "mode", "full_batch",
-                                                        "loss_reduction", "train_mode")}
+                                                        "loss_reduction", "train_mode", "force")}
     with _LazyProgress() as progress:
         report = run_setup(args.setup, setup, {k: v for k, v in overrides.items() if v is not None}, progress)
     _emit(report, args)

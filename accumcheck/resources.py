@@ -16,6 +16,9 @@ The estimate is deliberately on the high side and simple enough to state:
   × the number of layers, plus each attention layer's score matrices; the full-batch check holds
   all N micro-batches at once;
 - each data-parallel rank is a process holding all of that.
+
+For a user's own model only what the check adds is estimated (``estimate_model``): its
+activations are the model's own and unknown in advance.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .files import size_text
 BYTES_PER_PARAMETER = 64
 BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, and its result
 BYTES_PER_ACTIVATION = 16
+BYTES_PER_FLOAT64_COPY = 56  # a user model's float64 copy: weight, gradient, buffer, E, S, step, host copy
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Estimate:
 
     def describe(self) -> str:
         ranks = f" on each of {self.processes} ranks" if self.processes > 1 else ""
+        if not self.activations:  # a user's model: its own activations are not known in advance
+            return f"about {size_text(self.bytes)} beside the model ({self.parameters:,} parameters)"
         return (f"about {size_text(self.bytes)} ({self.parameters:,} parameters and {self.activations:,} "
                 f"activation elements{ranks})")
 
@@ -72,6 +78,14 @@ def estimate(case: Case, accum_steps: int, oracle: bool = False, full_batch: boo
     return Estimate(parameters, activations, total, ranks)
 
 
+def estimate_model(parameters: int, float64_copy: bool) -> Estimate:
+    """What checking a user's model of ``parameters`` elements adds to the model itself: the
+    buffers, sums and host copies per parameter, and a float64 copy of the model with its
+    gradient and sums where the oracle or the full-batch check needs one."""
+    per_parameter = BYTES_PER_PARAMETER + (BYTES_PER_FLOAT64_COPY if float64_copy else 0)
+    return Estimate(parameters, 0, parameters * per_parameter, 1)
+
+
 def check_resources(need: Estimate, what: str, force: bool = False, launched: bool = False) -> None:
     """Raise AccumcheckError (naming ``what``, the run) when ``need`` has more processes than
     this machine has cores (two at least; unless ``launched``: a launcher already started them)
@@ -85,8 +99,9 @@ def check_resources(need: Estimate, what: str, force: bool = False, launched: bo
                               f"is a process); use --world-size {ranks} or fewer, or add --force")
     free = available_memory()
     if free is not None and need.bytes > free:
-        raise AccumcheckError(f"{what}: needs {need.describe()}, but {size_text(free)} of memory is available; "
-                              "use a smaller case or fewer ranks, or add --force to run anyway")
+        fix = ("leave out oracle and full_batch (they copy the model in float64), or pass force=True (--force) "
+               "to run anyway") if not need.activations else "use a smaller case or fewer ranks, or add --force to run anyway"
+        raise AccumcheckError(f"{what}: needs {need.describe()}, but {size_text(free)} of memory is available; {fix}")
 
 
 def cpu_count() -> int:

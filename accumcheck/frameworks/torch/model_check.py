@@ -30,6 +30,7 @@ from ...faults import parse_fault, resolve_fault
 from ...judge import build_report
 from ...options import MODES, REDUCTIONS
 from ...report import Report
+from ...resources import check_resources, estimate_model
 from ...usermodel import Batch, batch_source
 from .accumulate import accumulate
 from .model import deterministic, isolated, to_numpy
@@ -45,7 +46,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
           inject: str | None = None, progress: Progress | None = None, *,
           step: Callable[[Any, Any], Any] | None = None, mode: str = "native", autocast: Any = None,
           grad_scaler: Any = None, train_mode: bool = False, full_batch: bool = False,
-          collate: Callable[[list[Any]], Any] | None = None, loss_reduction: str = "mean") -> Report:
+          collate: Callable[[list[Any]], Any] | None = None, loss_reduction: str = "mean",
+          force: bool = False) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``model`` is any ``torch.nn.Module`` with parameters in float32, bfloat16, float16 or float64.
@@ -66,7 +68,9 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     judges the accumulated gradient against it, divided by N for a ``loss_reduction`` "mean"
     loop (the loop divides each micro-batch's mean loss by N), as it is for "sum" and
     "token_count". ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs the native
-    accumulation to prove the check fires. Returns a Report; raises AccumcheckError for bad input.
+    accumulation to prove the check fires. A check that would need more memory beside the model
+    than is available is refused unless ``force``. Returns a Report; raises AccumcheckError for
+    bad input.
     """
     started = time.perf_counter()
     _check_arguments(loss_fn, batches, step, mode, grad_scaler, full_batch, collate, loss_reduction)
@@ -92,6 +96,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     accum_dtype = torch.float64 if param_dtype == "float64" else torch.float32
     uniform = first.dtype if len(set(dtypes.values())) == 1 else None
     scale = _scale_of(grad_scaler)
+    check_resources(estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch), "check",
+                    force=force)
 
     def step_loss(net: Any, dtype: Any, autocast_to: Any = None, scaled: float | None = None) -> Callable[[int], Any]:
         def run(index: int) -> Any:

@@ -183,3 +183,16 @@ def test_bad_input_is_one_line_and_leaves_the_model_as_found(kwargs, message):
 def test_a_model_that_is_not_a_module_is_refused():
     with pytest.raises(accumcheck.AccumcheckError, match="model must be a torch.nn.Module, got function"):
         accumcheck.torch.check(lambda x: x, ce, data(), accum_steps=N)
+
+
+def test_a_check_that_cannot_fit_is_refused_before_it_runs_unless_forced(monkeypatch):
+    from accumcheck import resources
+
+    model, pairs = TwoInputs(), data()
+    monkeypatch.setattr(resources, "available_memory", lambda: 1000)
+    before = state(model)
+    with pytest.raises(accumcheck.AccumcheckError,
+                       match=r"check: needs about .* beside the model \(76 parameters\), but 1000 bytes of memory .* force=True"):
+        accumcheck.torch.check(model, ce, pairs, accum_steps=N)
+    assert_same_state(before, state(model))
+    assert accumcheck.torch.check(model, ce, pairs, accum_steps=N, force=True).exit_code == 0
