@@ -196,3 +196,19 @@ def test_a_check_that_cannot_fit_is_refused_before_it_runs_unless_forced(monkeyp
         accumcheck.torch.check(model, ce, pairs, accum_steps=N)
     assert_same_state(before, state(model))
     assert accumcheck.torch.check(model, ce, pairs, accum_steps=N, force=True).exit_code == 0
+
+
+def test_train_mode_switches_dropout_off():
+    class Dropping(TwoInputs):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x, scale=None, labels=None):
+            return self.fc(self.drop(x))
+
+    model, pairs = Dropping(), data()
+    report = accumcheck.torch.check(model, ce, pairs, accum_steps=N, train_mode=True, full_batch=True)
+    assert report.full_batch.equivalent  # the joined batch would draw other masks, were dropout on
+    accumcheck.assert_faithful(report)
+    assert model.drop.training  # and back on afterwards
