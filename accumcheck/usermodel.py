@@ -100,11 +100,14 @@ def own_loss(output: Any, is_scalar: Callable[[Any], bool]) -> Any:
     return loss
 
 
-def model_error(exc: Exception, index: int | str, what: str) -> AccumcheckError:
+CALLS = "a dict is passed as model(**batch), a tuple as model(*inputs)"  # how call_model meets a model
+
+
+def model_error(exc: Exception, index: int | str, what: str, calls: str = CALLS) -> AccumcheckError:
     """The one-line error for an exception raised by the user's model, loss or step function on
-    micro-batch ``index`` (or on the batch a string names)."""
+    micro-batch ``index`` (or on the batch a string names); ``calls`` says how batches meet the
+    model in this framework."""
     first = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
     where = f"micro-batch {index}" if isinstance(index, int) else index
     return AccumcheckError(f"check: {what} raised {type(exc).__name__} on {where}: {first[:300]}; "
-                           "check that the batches fit the model (a dict is passed as model(**batch), a tuple as "
-                           "model(*inputs)), or pass step=lambda model, batch: loss")
+                           f"check that the batches fit the model ({calls}), or pass step=lambda model, batch: loss")

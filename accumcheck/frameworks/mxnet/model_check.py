@@ -27,6 +27,7 @@ from ...errors import AccumcheckError
 from ...faults import Fault, parse_fault, resolve_fault
 from ...judge import build_report
 from ...report import Report
+from ...resources import check_resources, estimate_model
 from ...usermodel import Batch, apply_loss, batch_source, call_model, model_error, own_loss, split_batch
 from .blockstate import (
     AuxState,
@@ -45,13 +46,15 @@ from .run import KERNEL_ALLOWANCE
 CPP_TRACEBACK = ("Traceback (most recent call last)", "  File ")
 CPP_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[10:37:19] ../src/operator/nn/convolution.cc:151: "
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
+# Block.__call__ takes no keyword arguments in MXNet 1.x: a dict meets forward's parameter names.
+GLUON_CALLS = "a tuple is passed as block(*inputs), a dict by the names of forward's parameters"
 StepFunction = Callable[[Any, Batch], Any]
 
 
 def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
           accum_steps: int | None = None, ctx: Any = None, inject: str | None = None,
           progress: Progress | None = None, *, step: StepFunction | None = None, train_mode: bool = False,
-          full_batch: bool = False) -> Report:
+          full_batch: bool = False, force: bool = False) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``block`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
@@ -64,8 +67,9 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     first context). ``step(block, batch)``
     instead computes the loss itself. ``train_mode`` records with BatchNorm on batch statistics
     (Dropout stays off). ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the
-    native accumulation to prove the check fires. Returns a Report; raises AccumcheckError for bad
-    input and for an exception raised by the block, the loss or the step function.
+    native accumulation to prove the check fires. A check that would need more memory beside the
+    block than is available is refused unless ``force``. Returns a Report; raises AccumcheckError
+    for bad input and for an exception raised by the block, the loss or the step function.
     """
     started = time.perf_counter()
     _check_arguments(block, loss_fn, batches, step, full_batch)
@@ -90,12 +94,17 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         kinds = {name: infer_kind(name, len(p.shape)) for name, p in params.items()}
         if fault is not None:
             fault = resolve_fault(fault, list(kinds.items()), steps)
+        check_resources(estimate_model(sum(int(np.prod(p.shape)) for p in params.values()), False), "check",
+                        force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
         grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode)
     settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode}
     run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings)
+    loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
+    options = {"inject": inject, "train_mode": train_mode or None}
     return build_report(None, run, steps, fault, False, time.perf_counter() - started,
-                        config={"model": type(block).__name__})
+                        config={"model": type(block).__name__, "loss": loss,
+                                **{k: v for k, v in options.items() if v is not None}})
 
 
 class MicroStep:
@@ -146,7 +155,7 @@ def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
     except AccumcheckError:
         raise
     except Exception as exc:
-        raise model_error(_readable(exc), index, what) from exc
+        raise model_error(_readable(exc), index, what, GLUON_CALLS) from exc
 
 
 def on_context(value: Any, ctx: Any) -> Any:
@@ -176,7 +185,7 @@ def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
             manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
                                                                counts=counts)
         except mx.base.MXNetError as exc:  # raised by backward(), or by an operator at the next wait
-            raise model_error(_readable(exc), micro.index, "the backward pass") from exc
+            raise model_error(_readable(exc), micro.index, "the backward pass", GLUON_CALLS) from exc
     return {"native": native, "manual": manual, "exact": exact, "absum": absum, "counts": counts,
             "losses": {"mean_loss": native_loss, "manual_mean_loss": manual_loss}}
 

@@ -20,14 +20,10 @@ def full_batch_gap(twin: Any, params: dict[str, Any], step_loss: Callable[[int],
                    progress: Progress | None = None) -> tuple[FullBatchGap | None, dict[str, np.ndarray]]:
     """``twin`` is the float64 copy of the model and ``params`` its parameters by name. Returns
     the full-batch comparison (None without ``batches``) and the accumulated float64 gradients."""
-    buffers = [(b, b.detach().clone()) for b in twin.buffers()]
     micro = accumulate(params, step_loss, accum_steps, None, progress, "float64 model")["native"]
     accumulated = {name: to_numpy(g) for name, g in micro.items()}
     if batches is None:
         return None, accumulated
-    with torch.no_grad():  # the whole batch starts from the state the micro-batches started from
-        for buffer, value in buffers:
-            buffer.copy_(value)
     device = next(iter(params.values())).device
     whole = to_device(join(batches, collate), device, torch.float64)
     for p in params.values():

@@ -454,3 +454,20 @@ def test_an_interrupt_is_not_turned_into_an_error():
 
     with pytest.raises(KeyboardInterrupt):
         accumcheck.mxnet.check(_mlp(), batches=_features(2), step=step)
+
+
+def test_the_reproduce_line_names_the_step_and_a_check_that_cannot_fit_is_refused(monkeypatch):
+    from accumcheck import resources
+
+    net = gluon.nn.Dense(3, in_units=4)
+    net.initialize()
+    batches = [(mx.nd.ones((2, 4)), mx.nd.array([0, 1])) for _ in range(4)]
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+    report = accumcheck.mxnet.check(net, batches=batches, step=lambda b, batch: loss(b(batch[0]), batch[1]),
+                                    train_mode=True)
+    assert report.reproduce_command() == ("accumcheck.mxnet.check(<your Dense>, batches=batches, step=step, "
+                                          "accum_steps=4, train_mode=True)")
+    monkeypatch.setattr(resources, "available_memory", lambda: 100)
+    with pytest.raises(accumcheck.AccumcheckError, match=r"needs about .* beside the model \(15 parameters\)"):
+        accumcheck.mxnet.check(net, loss, batches)
+    assert accumcheck.mxnet.check(net, loss, batches, force=True).exit_code == 0

@@ -156,3 +156,13 @@ def test_train_mode_uses_batch_statistics_and_eval_mode_the_running_ones():
     with torch.no_grad():
         expected = sum(float(loss_fn(model(x), y)) for x, y in batches) / 2
     assert eval_loss == pytest.approx(expected, rel=1e-6) and abs(train_loss - eval_loss) > 1e-3
+
+
+def test_a_check_that_fails_midway_in_train_mode_leaves_the_running_statistics_as_found():
+    torch.manual_seed(0)
+    model, batches = ResNet18(), image_batches(4)
+    batches[2] = (batches[2][0][:, :2], batches[2][1])  # two channels: the first conv cannot take it
+    before = state(model)
+    with pytest.raises(accumcheck.AccumcheckError, match="raised RuntimeError on micro-batch 2"):
+        accumcheck.torch.check(model, torch.nn.functional.cross_entropy, batches, accum_steps=4, train_mode=True)
+    assert_same_state(before, state(model))
