@@ -31,6 +31,20 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+# The float32 kernels of MKL, oneDNN, OpenBLAS and PyTorch's own are picked by the CPU (SSE, AVX2,
+# AVX-512, AMX), and they round differently: figures that follow round-off (ulps, a trajectory
+# under Adam) differ between CPUs. The figures are made with every library held to its baseline
+# x86-64 kernels, which every x86 CPU runs alike (MKL's conditional numerical reproducibility
+# mode); the settings must be in place before the libraries load, and the runs started from here
+# inherit them (``hold_kernels``, called first by ``main`` and by the slow figure test).
+BASELINE_KERNELS = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "DNNL_MAX_CPU_ISA": "SSE41",
+                    "OPENBLAS_CORETYPE": "Prescott"}
+
+
+def hold_kernels() -> None:
+    """Hold the libraries to their baseline kernels in this process (before they load) and its children."""
+    for name, value in BASELINE_KERNELS.items():
+        os.environ.setdefault(name, value)
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -419,6 +433,7 @@ def write(generated: dict[str, dict[str, str]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_kernels()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--group", action="append", choices=sorted(GROUPS), help="only this group (repeatable)")
     parser.add_argument("--write", action="store_true", help="write the regenerated figures into the text")

@@ -184,6 +184,10 @@ def tensor_results(draw):
             fields[f.name] = draw(st.none() | st.lists(cell, min_size=rows, max_size=rows))
         elif f.name == "ratio_map_cell":
             fields[f.name] = draw(st.none() | st.lists(st.integers(1, 99), min_size=2, max_size=2))
+        elif f.name == "aliases":
+            fields[f.name] = draw(st.none() | st.lists(st.text(max_size=12), max_size=3))
+        elif f.name == "steps_with_grad":
+            fields[f.name] = draw(st.none() | st.integers(0, 10**6))
         elif kind.startswith("list"):
             fields[f.name] = draw(st.lists(st.integers(0, 10**6), max_size=4))
         elif kind == "bool":

@@ -15,10 +15,11 @@ def test_adam_amplifies_a_valid_reordering_that_sgd_keeps_in_the_band():
 
     adam = train("tiny-grads", steps=10, optimizer="adam", lr=1e-3, inject="roundoff")
     sgd = train("tiny-grads", steps=10, optimizer="sgd", lr=1e-1, inject="roundoff")
-    # docs/trajectory.md: out of the band at step 0 under Adam, 10^5 ulps wide by step 9 ...
+    # docs/trajectory.md: out of the band at step 0 under Adam, far out of it by step 9 (10^5 ulps
+    # with MKL's reproducible kernels, as the figures are made; 10^3 with some CPUs' own) ...
     assert adam.exit_code == 1 and "dense0.weight" in adam.first_out_of_band
     assert min(adam.first_out_of_band.values()) == 0
-    assert max(values[9] for values in adam.band_ratio.values()) >= 1e5
+    assert max(values[9] for values in adam.band_ratio.values()) >= 1e2
     # ... while under SGD it stays within half an ulp
     assert sgd.exit_code == 0 and max(max(values) for values in sgd.band_ratio.values()) <= 0.5
 
