@@ -118,7 +118,7 @@ def summary_line(report: Report) -> str:
         return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
     counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off", "no-gradient")}
     ill = sum(t.ill_conditioned for t in report.tensors)
-    parts = [f"{c} {v.replace('-', ' ')}" for v, c in counts.items() if c]
+    parts = [f"{c} {'no gradient' if v == 'no-gradient' else v}" for v, c in counts.items() if c]
     overflow = [t.name for t in report.tensors if t.verdict == "overflow"]
     if overflow:
         return (f"SKIPPED STEP: the loss-scaled micro-gradients overflowed in {len(overflow)} of {n} tensors "

@@ -7,6 +7,7 @@ import shlex
 import pytest
 from conftest import needs_torch, run_cli
 
+from accumcheck.cli import main
 from accumcheck.report import load_report
 
 pytestmark = needs_torch
@@ -87,6 +88,13 @@ def test_a_fault_exits_1_and_its_reproduce_line_reruns_it(setup_file, tmp_path):
     assert again.returncode == 1 and "FLAGGED 1 of 3 tensors: embed.weight" in again.stdout
 
 
+def run_main(*args):
+    try:
+        return main(list(args))
+    except SystemExit as exit:  # argparse's usage errors
+        return exit.code
+
+
 @pytest.mark.parametrize("target, args, message", [
     ("missing.py", [], "missing.py is not a Python file here; give FILE.py or FILE.py:FUNCTION"),
     ("{file}:nothing", [], "defines no function 'nothing'"),
@@ -100,15 +108,17 @@ def test_a_fault_exits_1_and_its_reproduce_line_reruns_it(setup_file, tmp_path):
     ("{file}", ["--accum-steps", "0"], "'0' is not a positive integer"),
     ("{file}", ["--output", "/nonexistent/dir/r.json"], "--output"),
 ])
-def test_every_mistake_is_one_line_and_exit_2(setup_file, target, args, message):
-    result = run_cli("check", target.format(file=setup_file), *args, cwd=setup_file.parent)
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+def test_every_mistake_is_one_line_and_exit_2(setup_file, target, args, message, capsys, monkeypatch):
+    monkeypatch.chdir(setup_file.parent)  # in-process: the same main() the console script runs
+    code = run_main("check", target.format(file=setup_file), *args)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
 
 
-def test_a_file_that_fails_to_import_is_one_line(tmp_path):
+def test_a_file_that_fails_to_import_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.py"
     bad.write_text("import no_such_module_here\n")
-    result = run_cli("check", str(bad))
-    assert result.returncode == 2 and "importing it raised ModuleNotFoundError" in result.stderr
+    code = run_main("check", str(bad))
+    assert code == 2 and "importing it raised ModuleNotFoundError" in capsys.readouterr().err
