@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The long checks, after the test suite (uses the .venv the README's test command built):
 # every figure the README and docs/ quote, regenerated from its runs and compared with the text,
-# the heaviest checks of users' own models (every fault on a model-zoo ResNet), and the property
+# the heaviest checks of users' own models (every fault on the ResNets and the Llama, the README's
+# test files run as written), and the property
 # tests with the thorough hypothesis profile (10,000 examples per property).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py
-.venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/frameworks/mxnet/test_mxnet_user_models.py
+.venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/frameworks/mxnet/test_mxnet_user_models.py \
+    tests/frameworks/torch/test_user_models.py tests/e2e/test_readme_examples.py
 .venv/bin/python -m pytest --hypothesis-profile thorough -v -p no:cacheprovider --durations=0 tests/unit/test_properties.py

@@ -17,6 +17,7 @@ def test_the_readme_has_both_test_files():
     assert sorted(readme_tests()) == ["test_my_llama.py", "test_my_resnet.py"]
 
 
+@pytest.mark.slow  # tens of seconds: run by ci/slow.sh
 @pytest.mark.parametrize("name, needs", [("test_my_llama.py", "transformers"), ("test_my_resnet.py", "mxnet")])
 def test_a_readme_test_file_passes_at_16_and_32(pytester, name, needs):
     pytest.importorskip(needs)

@@ -15,9 +15,11 @@ autograd, gluon = mx.autograd, mx.gluon
 
 N = 16
 HYBRIDIZE = pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-# Each fault on ResNet-18 costs seconds: scale and the roundoff control run by default, the rest with -m slow.
-RESNET_FAULTS = [kind if kind in ("scale", "roundoff") else pytest.param(kind, marks=pytest.mark.slow)
-                 for kind in FAULT_KINDS]
+# Each ResNet-18 run costs seconds: the imperative run by default, the hybridized one and every fault
+# with -m slow (ci/slow.sh); the LSTM model below runs hybridized and every fault by default.
+RESNET_FAULTS = [pytest.param(kind, marks=pytest.mark.slow) for kind in FAULT_KINDS]
+RESNET_HYBRIDIZE = pytest.mark.parametrize("hybridize", [False, pytest.param(True, marks=pytest.mark.slow)],
+                                           ids=["imperative", "hybridized"])
 SOFTMAX = gluon.loss.SoftmaxCrossEntropyLoss()
 
 
@@ -93,7 +95,7 @@ def _flagged(report):
 # ------------------------------------------------------------------------------- model zoo: ResNet
 
 
-@HYBRIDIZE
+@RESNET_HYBRIDIZE
 def test_resnet18_is_faithful_and_its_deferred_parameters_stay_deferred(images, hybridize):
     net = _resnet(hybridize)
     before = _state(net)

@@ -151,10 +151,10 @@ def test_every_fault_reaches_the_accumulator_buffer(mode, fault):
     (a double-step adds its running total again; bf16 rounds its total), on bfloat16 parameters
     too, where the same fault applied to a bfloat16 .grad would round away."""
     for dtype in ("float32", "bfloat16"):
-        report = accumcheck.compare("padded-tokens", accum_steps=8, mode=mode, dtype=dtype,
+        report = accumcheck.compare("padded-tokens", accum_steps=4, mode=mode, dtype=dtype,
                                     inject=f"{fault}:fc1.weight")
         assert [t.name for t in report.flagged] == ["fc1.weight"], (dtype, fault)
-    control = accumcheck.compare("padded-tokens", accum_steps=8, mode=mode, inject="roundoff:fc1.weight")
+    control = accumcheck.compare("padded-tokens", accum_steps=4, mode=mode, inject="roundoff:fc1.weight")
     assert control.exit_code == 0
 
 

@@ -126,7 +126,12 @@ def test_hugging_face_llama_with_dict_batches_and_its_own_loss():
     accumcheck.assert_faithful(report)
     assert report.case == "LlamaForCausalLM" and len(report.tensors) == 21
     assert report.reproduce_command().startswith("accumcheck.torch.check(<your LlamaForCausalLM>, batches=batches")
-    check_faults(model, "model.layers.0.mlp.up_proj.weight", batches=batches)
+
+
+@pytest.mark.slow  # seconds: run by ci/slow.sh
+def test_every_fault_is_flagged_on_the_llama():
+    pytest.importorskip("transformers")
+    check_faults(tiny_llama(), "model.layers.0.mlp.up_proj.weight", batches=token_batches(N))
 
 
 def test_resnet18_with_batchnorm_in_eval_and_in_train_mode():
@@ -141,6 +146,14 @@ def test_resnet18_with_batchnorm_in_eval_and_in_train_mode():
         assert_same_state(before, state(model))  # running statistics too
         accumcheck.assert_faithful(report)
         assert report.notes[0] == ("model in training mode, dropout off" if train_mode else "model in eval mode")
+
+
+@pytest.mark.slow  # seconds: run by ci/slow.sh
+def test_every_fault_is_flagged_on_the_resnet18_in_eval_and_in_train_mode():
+    torch.manual_seed(0)
+    model, batches = ResNet18(), image_batches(N)
+    before = state(model)
+    loss_fn = torch.nn.functional.cross_entropy
     check_faults(model, "layer3.0.conv1.weight", loss_fn=loss_fn, batches=batches)
     check_faults(model, "fc.weight", loss_fn=loss_fn, batches=batches, train_mode=True)
     assert_same_state(before, state(model))
