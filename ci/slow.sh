@@ -8,5 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/frameworks/mxnet/test_mxnet_user_models.py \
-    tests/frameworks/torch/test_user_models.py tests/e2e/test_readme_examples.py
+    tests/frameworks/torch/test_user_models.py tests/e2e/test_readme_examples.py \
+    tests/frameworks/torch/test_accumulator.py
 .venv/bin/python -m pytest --hypothesis-profile thorough -v -p no:cacheprovider --durations=0 tests/unit/test_properties.py

@@ -67,7 +67,7 @@ def setup_file(tmp_path):
 
 
 def test_a_faithful_model_exits_0_and_says_how_to_rerun_it(setup_file):
-    result = run_cli("check", str(setup_file), cwd=setup_file.parent)
+    result = run_cli("check", str(setup_file), cwd=setup_file.parent)  # the console script, as a user runs it
     assert result.returncode == 0, result.stderr
     assert "model LM · torch on cpu · N = 16 micro-steps" in result.stdout
     assert f"reproduce: accumcheck check {setup_file} --accum-steps 16" in result.stdout

@@ -15,10 +15,11 @@ autograd, gluon = mx.autograd, mx.gluon
 
 N = 16
 HYBRIDIZE = pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
-# Each ResNet-18 run costs seconds: the imperative run by default, the hybridized one and every fault
-# with -m slow (ci/slow.sh); the LSTM model below runs hybridized and every fault by default.
+# Each ResNet-18 run at N = 16 costs seconds: those run with -m slow (ci/slow.sh), a short one that
+# checks the block is left as found by default; the LSTM model below runs in full by default.
 RESNET_FAULTS = [pytest.param(kind, marks=pytest.mark.slow) for kind in FAULT_KINDS]
-RESNET_HYBRIDIZE = pytest.mark.parametrize("hybridize", [False, pytest.param(True, marks=pytest.mark.slow)],
+RESNET_HYBRIDIZE = pytest.mark.parametrize("hybridize", [pytest.param(False, marks=pytest.mark.slow),
+                                                        pytest.param(True, marks=pytest.mark.slow)],
                                            ids=["imperative", "hybridized"])
 SOFTMAX = gluon.loss.SoftmaxCrossEntropyLoss()
 
