@@ -177,13 +177,7 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
         options = {"framework": framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
         if world and get_backend(framework).capabilities.data_parallel:
             options.setdefault("world_size", world)
-        try:
-            report = compare(case, **options)
-        except Exception as exc:  # accumcheck could not run the check: an error, not a finding
-            request.node.stash[_RAISED] = (_one_line(exc), exc)
-            raise
-        _save(request, report)
-        return report
+        return _saved_run(request, compare, case, **options)
 
     return run
 
@@ -191,22 +185,31 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
 @pytest.fixture
 def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Callable[..., Any]:
     """``accum_check(model, loss_fn=None, batches=..., **kwargs)``: your own model's check
-    (``accumcheck.<framework>.check``, the framework told by the model's class) at this run's steps (--accum-steps; ``accum_steps=`` when not given, default 16); the report
-    is saved under --accum-report when given."""
+    (``accumcheck.<framework>.check``, the framework told by the model's class) at this run's
+    steps (--accum-steps; ``accum_steps=`` when not given, default 16); the report is saved under
+    --accum-report when given."""
+    from .setupfile import user_check
+
+    def check(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return user_check(model, "accum_check")[1](model, *args, **kwargs)
 
     def run(model: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["accum_steps"] = accum_steps if accum_steps is not None else kwargs.get("accum_steps", 16)
-        try:
-            from .setupfile import user_check
-
-            report = user_check(model, "accum_check")[1](model, *args, **kwargs)
-        except Exception as exc:  # accumcheck could not run the check: an error, not a finding
-            request.node.stash[_RAISED] = (_one_line(exc), exc)
-            raise
-        _save(request, report)
-        return report
+        return _saved_run(request, check, model, *args, **kwargs)
 
     return run
+
+
+def _saved_run(request: pytest.FixtureRequest, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``'s report, saved under --accum-report; an exception it raises is
+    marked as one accumcheck raised (an error, not a finding)."""
+    try:
+        report = fn(*args, **kwargs)
+    except Exception as exc:  # accumcheck could not run the check: an error, not a finding
+        request.node.stash[_RAISED] = (_one_line(exc), exc)
+        raise
+    _save(request, report)
+    return report
 
 
 def _one_line(exc: BaseException) -> str:
