@@ -33,12 +33,13 @@ _STYLE = {"identical": "green", "round-off": "cyan", "precision-loss": "bold yel
 def rich_table(report: Report) -> Table:
     """The per-parameter table: one row a tensor, the verdict and the numbers behind it."""
     table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
-    table.add_column("tensor", no_wrap=True)
+    # A long name (a model's own, or a tied one under all its names) folds; numbers never shrink.
+    table.add_column("tensor", overflow="fold")
     table.add_column("kind", no_wrap=True)
     table.add_column("shape", no_wrap=True)
     # "ratio": worst |mode - E| / bound; "tol fails": elements outside torch.testing's rtol/atol.
     for title in ("max|g|", "verdict", "ratio", "max|A-B|", "ulps", "tol fails", "cond"):
-        table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=title == "verdict")
+        table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=True)
     for t in report.tensors:
         table.add_row(t.title, t.kind, shape_text(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
                       num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched),
