@@ -34,14 +34,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 @contextlib.contextmanager
-def deterministic(device: torch.device) -> Iterator[dict[str, Any]]:
-    """Deterministic algorithms on and TF32 off for the duration; the caller's settings come back."""
+def deterministic(device: torch.device, warn_only: bool = False) -> Iterator[dict[str, Any]]:
+    """Deterministic algorithms on and TF32 off for the duration; the caller's settings come back.
+    ``warn_only``: an operation without a deterministic kernel warns instead of raising (a user's
+    model may use one; native and manual share its backward passes anyway)."""
     if device.type == "cuda":
         # cuBLAS needs this before its first call to be deterministic.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    _use_deterministic_algorithms(True)
+    _use_deterministic_algorithms(True, warn_only=warn_only)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:

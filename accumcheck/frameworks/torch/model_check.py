@@ -93,7 +93,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     if any(dtype not in ("float32", "bfloat16", "float16", "float64") for dtype in dtypes.values()):
         raise AccumcheckError(f"check: parameters must be floating point (float32, bfloat16, float16, float64); "
                               f"found {', '.join(sorted(set(dtypes.values())))}")
-    accum_dtype = torch.float64 if param_dtype == "float64" else torch.float32
+    # The manual buffer: float32, or float64 for a float64 model; a GradAccumulator's is float32.
+    accum_dtype = torch.float64 if param_dtype == "float64" and mode == "native" else torch.float32
     uniform = first.dtype if len(set(dtypes.values())) == 1 else None
     scale = _scale_of(grad_scaler)
     check_resources(estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch), "check",
@@ -112,10 +113,10 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     if oracle or full_batch:
         twin = _float64_copy(model)  # before any pass: the same buffers as the model
     try:
-        with deterministic(where), isolated(where):
+        with deterministic(where, warn_only=True), isolated(where):
             _set_mode(model, train_mode)
             result = accumulate(params, step_loss(model, uniform, cast, scale), steps, fault, progress,
-                                "native + manual", accum_dtype if mode == "native" else torch.float32, mode)
+                                "native + manual", accum_dtype, mode)
             buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in params}
             native = {name: to_numpy(g) for name, g in result["native"].items()}
             saved.restore_buffers()

@@ -212,3 +212,19 @@ def test_train_mode_switches_dropout_off():
     assert report.full_batch.equivalent  # the joined batch would draw other masks, were dropout on
     accumcheck.assert_faithful(report)
     assert model.drop.training  # and back on afterwards
+
+
+def test_a_model_may_use_operations_without_a_deterministic_kernel():
+    """Deterministic algorithms are on, warning (not raising) where an operation has none, such
+    as some CUDA scatter kernels: native and manual share each backward pass anyway."""
+    model, pairs = TwoInputs(), data()
+    seen = []
+
+    def step(m, batch):
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()))
+        return ce(m(batch[0]), batch[1])
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    accumcheck.assert_faithful(accumcheck.torch.check(model, batches=pairs, accum_steps=N, step=step))
+    assert set(seen) == {(True, True)}
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
