@@ -193,3 +193,60 @@ def test_errors_in_ulps_only_for_an_accumulator_mode_or_reduced_parameters():
     assert ulps() == ulps({"mode": "native"}) == ulps(dtype="float64") == (None, None)
     assert ulps({"mode": "compensated"}) == (0.0, None)
     assert ulps(dtype="bfloat16") == (0.0, 0.0)
+
+
+def test_a_parameter_without_gradient_is_no_gradient_and_never_ill_conditioned():
+    unused = judge([0.0], [0.0], [0.0], no_gradient=True)
+    assert (unused.verdict, unused.flagged, unused.ill_conditioned) == ("no-gradient", False, False)
+    # no_gradient wins over whatever the arrays say, and a heavily cancelling sum is not called ill
+    assert judge([1.0], [1.0], [100.0], no_gradient=True).verdict == "no-gradient"
+    assert not judge([1.0], [1.0], [100.0], no_gradient=True).ill_conditioned
+
+
+def test_an_overflow_is_a_non_finite_e_of_a_loss_scaled_run_only():
+    skipped = judge([np.inf], [np.inf], [np.inf], overflow=True)
+    assert (skipped.verdict, skipped.flagged, skipped.ill_conditioned) == ("overflow", False, False)
+    # the micro-gradients were finite: an inf in native alone is a finding, scaled or not
+    assert judge([np.inf], [1.0], [1.0], manual=[1.0], overflow=True).verdict == "non-finite"
+    assert judge([np.inf], [np.inf], [np.inf]).verdict == "non-finite"  # no scaler: a finding
+    assert judge([1.0], [1.0], [100.0], overflow=True).ill_conditioned  # finite: judged as ever
+
+
+def test_a_loss_scaled_run_makes_overflowed_tensors_overflow_and_draws_no_map_for_them():
+    tensors = [param("w", [np.inf], native=[np.inf], absum=[np.inf]), param("b", [1.0], native=[2.0], manual=[1.0])]
+    scaled = build_report(None, run_of(*tensors, grad_scale=65536.0), 2, None, False, 0.0)
+    assert [t.verdict for t in scaled.tensors] == ["overflow", "diverged"]
+    assert scaled.tensors[0].ratio_map is None and scaled.tensors[1].ratio_map is not None
+    plain = build_report(None, run_of(*tensors), 2, None, False, 0.0)
+    assert [t.verdict for t in plain.tensors] == ["non-finite", "diverged"]
+
+
+def test_a_user_model_run_passes_on_aliases_and_gradient_counts():
+    tied = dataclasses.replace(param("wte", [1.0]), aliases=("lm_head.weight",), steps_with_grad=3)
+    unused = dataclasses.replace(param("extra", [0.0]), steps_with_grad=0)
+    report = build_report(None, run_of(tied, unused, param("b", [1.0], kind="bias")), 4, None, False, 0.0)
+    wte, extra, b = report.tensors
+    assert (wte.aliases, wte.steps_with_grad, wte.title, wte.verdict) == (
+        ["lm_head.weight"], 3, "wte = lm_head.weight", "identical")
+    assert (extra.verdict, extra.steps_with_grad, extra.aliases) == ("no-gradient", 0, None)
+    assert (b.aliases, b.steps_with_grad, b.title) == (None, None, "b")
+
+
+def test_each_parameter_of_a_mixed_dtype_model_is_bounded_by_its_own_dtype():
+    # E = 1, S = 1 at N = 4: 1/128 off is within bfloat16's bound (3 * 2^-8) but 2^16 float32 ulps past
+    # float32's; a float32 parameter as far off diverges, a bfloat16 one loses precision.
+    off = 1.0 + 2.0**-7
+    mixed = [dataclasses.replace(param("half", [1.0], native=[off], manual=[1.0]), dtype="bfloat16"),
+             param("full", [1.0], native=[off], manual=[1.0]),
+             dataclasses.replace(param("same", [1.0], native=[off], manual=[1.0]), dtype="float32"),
+             dataclasses.replace(param("wide", [1.0], native=[off], manual=[1.0]), dtype="float64")]
+    half, full, same, wide = build_report(None, run_of(*mixed), 4, None, False, 0.0).tensors
+    assert (half.verdict, full.verdict, same.verdict, wide.verdict) == ("precision-loss", "diverged", "diverged",
+                                                                        "diverged")
+    bound = ModeBound.for_sum("bfloat16", 4)
+    assert half.bound_at_worst == bound.at(1.0) and half.precision_ratio > 1.0
+    assert full.precision_ratio is None and wide.precision_ratio is None
+    assert wide.bound_at_worst == ModeBound.for_sum("float64", 4).at(1.0)
+    # the run's own kernel allowance applies to the parameter's own bound too
+    allowed = build_report(None, run_of(mixed[0], native_kernel_allowance=4.0), 4, None, False, 0.0).tensors[0]
+    assert allowed.bound_at_worst == ModeBound.for_sum("bfloat16", 4, 4.0).at(1.0, 1.0)
