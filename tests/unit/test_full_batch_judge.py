@@ -9,7 +9,7 @@ import pytest
 from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.casefile import builtin_case
 from accumcheck.judge import FACTOR_TOLERANCE, build_report, full_batch_verdict
-from accumcheck.judge.fullbatch import factor_candidates
+from accumcheck.judge.fullbatch import factor_candidates, run_figures
 from accumcheck.render.markdown import markdown
 from accumcheck.render.text import full_batch_line, summary_line
 from accumcheck.report import FullBatchResult
@@ -196,3 +196,173 @@ def test_the_lines_say_what_the_accumulated_gradient_is():
     old.full_batch = FullBatchResult("mean", "1/N", 0.75, "fc.weight", False, 1e-9)  # saved by an earlier version
     assert summary_line(old).endswith("numerically faithful)")
     assert full_batch_line(old).endswith("at fc.weight: SEMANTIC MISMATCH (the loss normalisation, not round-off)")
+
+
+# Small whole numbers: a dyadic or whole factor times them, and their sums, are exact in float64, so
+# every figure of the sentence is known exactly ("spread 0").
+EXACT = {"embed.weight": np.array([[1.0, -2.0], [3.0, 1.0]]), "fc.bias": np.array([2.0, -1.0])}
+HEAD = "x full batch on all 2 tensors (spread 0): matches"
+
+
+@pytest.mark.parametrize("factor, world_size, item_counts, name, sentence", [
+    (4.0, 1, None, "N", "4.00 {} N (N = 4): the micro-batch losses are summed without dividing by N"),
+    (0.25, 1, None, "1/N", "0.250 {} 1/N (N = 4): the loss is divided by N once more than the loss normalisation "
+     "needs"),
+    (16.0, 1, None, "N^2", "16.0 {} N^2 (N = 4): the loss is multiplied by N where the normalisation divides by N"),
+    (1 / 16, 1, None, "1/N^2", "0.0625 {} 1/N^2 (N = 4): the loss is divided by N twice more than the loss "
+     "normalisation needs"),
+    (2.0, 2, None, "W", "2.00 {} W (W = 2): the ranks' gradients are summed where the all-reduce averages them"),
+    (0.5, 2, None, "1/W", "0.500 {} 1/W (W = 2): the gradient is divided by the world size once more than the "
+     "all-reduce's average needs"),
+    (8.0, 2, None, "N*W", "8.00 {} N*W (N = 4, W = 2): the losses are summed over the micro-batches and the ranks "
+     "without dividing by either"),
+    (1 / 8, 2, None, "1/(N*W)", "0.125 {} 1/(N*W) (N = 4, W = 2): the loss is divided by N x W once more than the "
+     "loss normalisation needs"),
+    (128.0, 1, [16, 48, 32, 32], "T", "128 {} T (T = 128 items in the window): the loss sums over the items where "
+     "the full batch averages over them"),
+    (1 / 128, 1, [16, 48, 32, 32], "1/T", "0.00781 {} 1/T (T = 128 items in the window): the loss is divided by "
+     "the window's item count where the full batch sums over the items"),
+    (32.0, 1, [16, 48, 32, 32], "T/N", "32.0 {} T/N (T = 128 items, N = 4): each micro-batch's loss sums over its "
+     "items and the accumulated sum is divided by N, where the full batch averages over the items"),
+    (3.0, 1, [16, 48, 32, 32], "largest/smallest items", "3.00 {} largest/smallest items (items per micro-batch 16 "
+     "to 48): the largest micro-batch's item count over the smallest's"),
+    (3.0, 1, [1, 3, 2, 2], "largest/smallest items", "3.00 {} largest/smallest items (items per micro-batch 1 to "
+     "3): the largest micro-batch's item count over the smallest's"),
+])
+def test_each_number_of_the_run_a_constant_factor_matches_is_named_with_its_cause(factor, world_size, item_counts,
+                                                                                  name, sentence):
+    result = verdict(scaled(factor, EXACT), full=EXACT, world_size=world_size, item_counts=item_counts)
+    assert result.constant and result.factor == factor and result.matches == name
+    assert result.explanation == "accumulated = " + sentence.format(HEAD)
+    assert result.factor_tolerance == FACTOR_TOLERANCE
+
+
+def test_the_world_size_is_one_unless_told():
+    gap = FullBatchGap("mean", "1/N", scaled(0.5, EXACT), EXACT)
+    result = full_batch_verdict(gap, 4)
+    assert result.constant and result.matches is None
+    assert result.explanation == (f"accumulated = 0.500 {HEAD} none of N, 1/N, N^2, 1/N^2 (N = 4): the loss is "
+                                  "scaled by a constant its normalisation does not have")
+    assert run_figures(4) == "N = 4" and run_figures(4, 2, [3, 4]) == "N = 4, W = 2, T = 7 items"
+
+
+def test_one_item_in_the_window_leaves_only_t_over_n_of_the_item_candidates():
+    # T = 1 and 1/T = 1 say nothing; T/N is 1/N's value, which 1/N matches first
+    result = verdict(scaled(1.5, EXACT), full=EXACT, item_counts=[0, 1, 0, 0])
+    assert result.explanation == (f"accumulated = 1.50 {HEAD} none of N, 1/N, N^2, 1/N^2, T/N (N = 4, T = 1 items): "
+                                  "the loss is scaled by a constant its normalisation does not have")
+    assert verdict(scaled(0.25, EXACT), full=EXACT, item_counts=[0, 1, 0, 0]).matches == "1/N"
+
+
+def test_a_factor_exactly_at_the_tolerance_matches():
+    # 1e-6 x 15625 is 2^-6 exactly, so |c - T| is exactly FACTOR_TOLERANCE x T
+    factor = 15625 + FACTOR_TOLERANCE * 15625
+    assert factor - 15625 == FACTOR_TOLERANCE * 15625
+    result = verdict({"w": np.array([factor])}, full={"w": np.array([1.0])}, item_counts=[3906, 3906, 3906, 3907])
+    assert result.factor == factor and result.constant and result.matches == "T"
+    assert result.explanation == ("accumulated = 1.56e+04 x full batch on all 1 tensors (spread 0): matches T "
+                                  "(T = 15625 items in the window): the loss sums over the items where the full batch "
+                                  "averages over them")
+
+
+# c = <A,F>/<F,F> = (3 x 2 + 1 x 6) / 4 = 3: "a" is 1 from it, "b" 3, so the spread is 3/3 and b's residual 3/6
+TWO = {"a": np.ones(3), "b": np.ones(1)}
+TWO_WEIGHTED = {"a": np.full(3, 2.0), "b": np.full(1, 6.0)}
+WEIGHTED_SENTENCE = ("not a constant factor: per-tensor factors 2.00 to 6.00 (worst b, residual 0.5): the "
+                     "micro-batches are weighted unlike the full batch")
+ITEM_COUNT_CAUSE = (", as per-micro-batch mean losses over micro-batches with different numbers of items do "
+                    "(transformers#34191); normalise by the window's item count")
+
+
+def test_a_weighting_is_told_with_its_range_its_worst_tensor_and_the_likely_cause():
+    result = verdict(TWO_WEIGHTED, full=TWO)
+    assert result.factor == 3.0 and result.tensor_factors == {"a": 2.0, "b": 6.0}
+    assert (result.factor_min, result.factor_max, result.factor_worst_tensor) == (2.0, 6.0, "b")
+    assert result.spread == 1.0 and result.residual == pytest.approx(0.5) and result.worst_tensor_residual == 0.5
+    assert not result.constant and result.matches is None
+    assert result.explanation == WEIGHTED_SENTENCE + ITEM_COUNT_CAUSE
+    told = verdict(TWO_WEIGHTED, full=TWO, item_counts=[30, 50, 40, 40])
+    assert told.explanation == WEIGHTED_SENTENCE + ITEM_COUNT_CAUSE + "; items per micro-batch: 30 to 50"
+
+
+def test_one_micro_batch_with_its_item_count_is_not_weighted_by_item_counts():
+    result = verdict(TWO_WEIGHTED, full=TWO, steps=1, item_counts=[32])
+    assert result.explanation == WEIGHTED_SENTENCE + "; every micro-batch holds 32 items, so not by their item counts"
+
+
+def test_the_worst_tensor_is_the_one_furthest_from_the_factor_below_it_too():
+    # c = (3 x 2 + 0.5) / 4 = 1.625: "b" at 0.5 is 1.125 from it, "a" at 2 only 0.375
+    result = verdict({"a": np.full(3, 2.0), "b": np.full(1, 0.5)}, full=TWO)
+    assert result.factor == 1.625 and result.factor_worst_tensor == "b" and result.worst_tensor_residual == 2.25
+    assert "(worst b, residual 2.2)" in result.explanation
+
+
+def test_a_tensor_zero_in_both_is_never_the_worst():
+    result = verdict(dict(TWO_WEIGHTED, unused=np.zeros(2)), full=dict(TWO, unused=np.zeros(2)))
+    assert result.factor_worst_tensor == "b" and "unused" not in result.tensor_factors
+    assert result.explanation == WEIGHTED_SENTENCE + ITEM_COUNT_CAUSE
+
+
+def test_a_residual_of_a_thousand_is_written_with_a_short_exponent():
+    # "b" is a thousandth of the full batch's where c is about 1: its residual is about 1000 times its size
+    full = {"a": np.full(4, 100.0), "b": np.ones(1)}
+    result = verdict({"a": np.full(4, 100.0), "b": np.full(1, 1e-3)}, full=full)
+    assert result.factor_worst_tensor == "b" and result.worst_tensor_residual == pytest.approx(999, rel=1e-3)
+    assert result.explanation.startswith("not a constant factor: per-tensor factors 0.00100 to 1.00 (worst b, "
+                                         "residual 1e3): ")
+
+
+def test_a_tensor_whose_accumulated_gradient_alone_is_zero_is_infinitely_far_from_it():
+    full = {"a": np.full(4, 100.0), "b": np.ones(1)}
+    result = verdict({"a": np.full(4, 100.0), "b": np.zeros(1)}, full=full)
+    assert result.factor_worst_tensor == "b" and result.worst_tensor_residual == math.inf
+    assert result.tensor_factors == {"a": 1.0, "b": 0.0} and 0 < result.residual < 1e-2
+    assert result.explanation.startswith("not a constant factor: per-tensor factors 0.00 to 1.00 (worst b, "
+                                         "residual inf): ")
+
+
+def test_zero_and_non_finite_gradients_are_told_in_words():
+    zero_full = verdict(scaled(1.0, EXACT), full={name: np.zeros_like(f) for name, f in EXACT.items()})
+    assert zero_full.explanation == ("not a constant factor: the full batch's gradient is zero everywhere, the "
+                                     "accumulated one is not")
+    assert (zero_full.factor, zero_full.spread, zero_full.residual, zero_full.worst_tensor_residual) == (None,) * 4
+    assert zero_full.tensor_factors == {} and zero_full.factor_worst_tensor == "" and zero_full.factor_min is None
+    zero = verdict(scaled(0.0, EXACT), full=EXACT)
+    assert zero.explanation == "not a constant factor: the accumulated gradient is zero where the full batch's is not"
+    assert zero.factor == 0 and zero.spread is None  # no factor to be relative to
+    assert zero.residual == 0 and zero.worst_tensor_residual == 0  # 0 of 0: A is all of cF
+    assert not zero.constant and zero.headline == "not a constant factor"
+    for bad in (math.nan, math.inf):
+        result = verdict(dict(scaled(0.25, EXACT), **{"fc.bias": np.full(2, bad)}), full=EXACT)
+        assert result.explanation == "not a constant factor: the gradients are not finite (inf or nan)"
+        assert result.factor is None and result.spread is None and result.residual is None
+
+
+def test_tiny_gradients_are_judged_at_their_own_scale():
+    tiny = {name: 1e-12 * f for name, f in EXACT.items()}
+    result = verdict(scaled(0.25, tiny), full=tiny)
+    assert not result.equivalent and result.matches == "1/N"
+    assert result.max_relative_difference == pytest.approx(0.75) and result.worst_tensor == "embed.weight"
+
+
+def test_a_tensor_without_elements_is_left_out():
+    full = dict(EXACT, empty=np.zeros((0, 3)))
+    result = verdict(dict(scaled(0.25, EXACT), empty=np.zeros((0, 3))), full=full)
+    assert result.matches == "1/N" and "empty" not in result.tensor_factors
+    assert result.explanation.startswith(f"accumulated = 0.250 {HEAD} 1/N (N = 4)")
+
+
+def test_a_run_without_gradients_has_nothing_to_differ():
+    result = verdict({}, full={})
+    assert result.equivalent and result.max_relative_difference == 0.0 and result.worst_tensor == ""
+    assert result.factor is None and result.tensor_factors == {} and result.factor_min is None
+    assert result.explanation == "equivalent: accumulated = full batch within 1e-9"
+
+
+def test_float32_gradients_too_large_to_square_in_float32_are_fitted_in_float64():
+    big = {name: (1e20 * f).astype(np.float32) for name, f in TWO.items()}
+    weighted = {name: (1e20 * f).astype(np.float32) for name, f in TWO_WEIGHTED.items()}
+    result = verdict(weighted, full=big)
+    assert result.factor == 3.0 and result.spread == 1.0
+    assert result.residual == pytest.approx(0.5) and result.worst_tensor_residual == pytest.approx(0.5)
+    assert result.explanation == WEIGHTED_SENTENCE + ITEM_COUNT_CAUSE
