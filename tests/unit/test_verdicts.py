@@ -206,6 +206,9 @@ def test_a_parameter_without_gradient_is_no_gradient_and_never_ill_conditioned()
 def test_an_overflow_is_a_non_finite_e_of_a_loss_scaled_run_only():
     skipped = judge([np.inf], [np.inf], [np.inf], overflow=True)
     assert (skipped.verdict, skipped.flagged, skipped.ill_conditioned) == ("overflow", False, False)
+    # its finite elements cancel a hundredfold, but an overflowed step is not called ill-conditioned
+    cancelling = judge([1.0, np.inf], [1.0, np.inf], [100.0, np.inf], overflow=True)
+    assert (cancelling.verdict, cancelling.condition, cancelling.ill_conditioned) == ("overflow", 100.0, False)
     # the micro-gradients were finite: an inf in native alone is a finding, scaled or not
     assert judge([np.inf], [1.0], [1.0], manual=[1.0], overflow=True).verdict == "non-finite"
     assert judge([np.inf], [np.inf], [np.inf]).verdict == "non-finite"  # no scaler: a finding
@@ -247,6 +250,10 @@ def test_each_parameter_of_a_mixed_dtype_model_is_bounded_by_its_own_dtype():
     assert half.bound_at_worst == bound.at(1.0) and half.precision_ratio > 1.0
     assert full.precision_ratio is None and wide.precision_ratio is None
     assert wide.bound_at_worst == ModeBound.for_sum("float64", 4).at(1.0)
+    # a float32 parameter in a bfloat16 run keeps no precision a float32 buffer would: no precision ratio
+    wide_in_half = build_report(None, run_of(dataclasses.replace(param("w", [1.0]), dtype="float32"),
+                                             dtype="bfloat16"), 4, None, False, 0.0).tensors[0]
+    assert wide_in_half.precision_ratio is None and wide_in_half.verdict == "identical"
     # the run's own kernel allowance applies to the parameter's own bound too
     allowed = build_report(None, run_of(mixed[0], native_kernel_allowance=4.0), 4, None, False, 0.0).tensors[0]
     assert allowed.bound_at_worst == ModeBound.for_sum("bfloat16", 4, 4.0).at(1.0, 1.0)
