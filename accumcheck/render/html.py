@@ -54,7 +54,7 @@ def _report_section(report: Report, plots: bool = True) -> str:
     parts = [f"<h2>{html.escape(report.case)}: {report.framework} on {html.escape(report.device)}, "
              f"N = {report.accum_steps}</h2>",
              '<div class="meta">' + "<br>".join(html.escape(line) for line in header_lines(report)) + "</div>",
-             _summary(summary_line(report), bool(report.flagged)), _tensor_table(report)]
+             _summary(summary_line(report), bool(report.exit_code)), _tensor_table(report)]
     noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
     if noteworthy:
         parts.append("<pre>" + html.escape("\n".join(line for t in noteworthy for line in tensor_details(t))) + "</pre>")

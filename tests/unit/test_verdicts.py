@@ -257,3 +257,14 @@ def test_each_parameter_of_a_mixed_dtype_model_is_bounded_by_its_own_dtype():
     # the run's own kernel allowance applies to the parameter's own bound too
     allowed = build_report(None, run_of(mixed[0], native_kernel_allowance=4.0), 4, None, False, 0.0).tensors[0]
     assert allowed.bound_at_worst == ModeBound.for_sum("bfloat16", 4, 4.0).at(1.0, 1.0)
+
+
+def test_a_full_batch_mismatch_alone_is_drawn_as_flagged_in_html():
+    from accumcheck.render import render
+
+    gap = FullBatchGap("mean", "1/N", {"w": np.array([2.0, 4.0])}, {"w": np.array([1.0, 2.0])})
+    report = build_report(None, run_of(param("w", [1.0, 2.0]), full_batch=gap), 4, None, False, 0.0)
+    assert report.flagged == [] and report.exit_code == 1
+    assert '<p class="flagged">FLAGGED: the accumulated gradient is not the full batch' in render(report, "html")
+    clean = build_report(None, run_of(param("w", [1.0, 2.0])), 4, None, False, 0.0)
+    assert '<p class="ok">OK: all 1 tensors faithful' in render(clean, "html")
