@@ -114,6 +114,7 @@ def test_resnet18_is_faithful_and_its_deferred_parameters_stay_deferred(images, 
         assert mine.shape == theirs.shape and np.array_equal(mine.data().asnumpy(), theirs.data().asnumpy())
 
 
+@pytest.mark.slow  # a ResNet-18 check: run by ci/slow.sh; small blocks check the same state by default
 def test_resnet18_is_left_exactly_as_found(images):
     net = _resnet(hybridize=True)
     net(images[0][0])
