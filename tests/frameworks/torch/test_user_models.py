@@ -179,3 +179,16 @@ def test_a_check_that_fails_midway_in_train_mode_leaves_the_running_statistics_a
     with pytest.raises(accumcheck.AccumcheckError, match="raised RuntimeError on micro-batch 2"):
         accumcheck.torch.check(model, torch.nn.functional.cross_entropy, batches, accum_steps=4, train_mode=True)
     assert_same_state(before, state(model))
+
+
+def test_float16_parameters_too_and_a_grad_scaler_that_overflows_them_skips_the_step():
+    model, batches = gpt(torch.float16), gpt_batches(N)
+    native = accumcheck.torch.check(model, batches=batches, accum_steps=N, step=gpt_step)
+    assert native.param_dtype == "float16" and {t.verdict for t in native.tensors} <= {"precision-loss", "identical"}
+    assert max(t.err_ulps_native for t in native.tensors) > 100
+    accumcheck.assert_faithful(accumcheck.torch.check(model, batches=batches, accum_steps=N, step=gpt_step,
+                                                      mode="accumulator"))
+    # 2^16 times a float16 gradient overflows float16's 65504: every tensor's step would be skipped
+    scaled = accumcheck.torch.check(model, batches=batches, accum_steps=N, step=gpt_step,
+                                    grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    assert scaled.exit_code == 0 and {t.verdict for t in scaled.tensors} == {"overflow"}
