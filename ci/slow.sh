@@ -2,8 +2,8 @@
 # The long checks, after the test suite (uses the .venv the README's test command built):
 # every figure the README and docs/ quote, regenerated from its runs and compared with the text,
 # the heaviest checks of users' own models (every fault on the ResNets and the Llama, the README's
-# test files run as written), and the property
-# tests with the thorough hypothesis profile (10,000 examples per property).
+# test files run as written), and the property tests with the thorough hypothesis profile (10,000
+# examples per property).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py
