@@ -102,6 +102,12 @@ class RankAccumulation:
     native: dict[str, np.ndarray]
 
 
+def window_scale(normalisation: str, accum_steps: int) -> tuple[float, str]:
+    """What training code multiplies the accumulated sum by, as a number and as the report says it:
+    1/N for a "mean" loss (each micro-batch's mean loss divided by N); 1 for "sum" and "token_count"."""
+    return (1.0 / accum_steps, "1/N") if normalisation == "mean" else (1.0, "1")
+
+
 @dataclass
 class FullBatchGap:
     """The accumulated gradient and the whole batch's in one backward pass, both in float64, per

@@ -72,6 +72,18 @@ def split_batch(batch: Any, loss_fn_given: bool) -> tuple[Any, Any]:
     return batch, NO_TARGET
 
 
+def map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with ``leaf`` applied to everything in it that is not a tuple, list or mapping
+    (named tuples keep their type, mappings become dicts with the same keys)."""
+    if isinstance(value, Mapping):
+        return {key: map_leaves(item, leaf) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_leaves(item, leaf) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_leaves(item, leaf) for item in value)
+    return leaf(value)
+
+
 def call_model(model: Any, inputs: Any) -> Any:
     """The model applied to ``inputs`` as a training loop passes them."""
     if isinstance(inputs, Mapping):

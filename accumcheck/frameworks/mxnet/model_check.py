@@ -28,7 +28,16 @@ from ...faults import Fault, parse_fault, resolve_fault
 from ...judge import build_report
 from ...report import Report
 from ...resources import check_resources, estimate_model
-from ...usermodel import Batch, apply_loss, batch_source, call_model, model_error, own_loss, split_batch
+from ...usermodel import (
+    Batch,
+    apply_loss,
+    batch_source,
+    call_model,
+    map_leaves,
+    model_error,
+    own_loss,
+    split_batch,
+)
 from .blockstate import (
     AuxState,
     clear_cached_ops,
@@ -160,17 +169,14 @@ def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def on_context(value: Any, ctx: Any) -> Any:
     """NDArrays moved to ``ctx`` and numpy arrays made NDArrays there, through tuples, lists and dicts."""
-    if isinstance(value, mx.nd.NDArray):
-        return value.as_in_context(ctx)
-    if isinstance(value, np.ndarray):
-        return mx.nd.array(value, ctx=ctx)
-    if isinstance(value, Mapping):
-        return {key: on_context(item, ctx) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(on_context(item, ctx) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(on_context(item, ctx) for item in value)
-    return value
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, mx.nd.NDArray):
+            return leaf.as_in_context(ctx)
+        if isinstance(leaf, np.ndarray):
+            return mx.nd.array(leaf, ctx=ctx)
+        return leaf
+
+    return map_leaves(value, move)
 
 
 def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int, ctx: Any,

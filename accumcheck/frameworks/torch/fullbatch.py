@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...backend import FullBatchGap, Progress
+from ...backend import FullBatchGap, Progress, window_scale
 from ...cases import IGNORE_LABEL, Case
 from .accumulate import case_sums
 from .model import build_model, case_loss, to_inputs, to_numpy
@@ -28,8 +28,8 @@ def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int,
     whole = case if case.loss_reduction != "token_count" else case.with_reduction("mean")
     case_loss(whole, model(inputs), labels).backward()
     # scaled in place, and shared with numpy on the CPU: no third float64 copy of the model
-    scale = 1.0 / accum_steps if case.loss_reduction == "mean" else 1.0
-    return FullBatchGap(normalisation=case.loss_reduction, accumulated_scaled_by="1/N" if scale != 1.0 else "1",
+    scale, scaled_by = window_scale(case.loss_reduction, accum_steps)
+    return FullBatchGap(normalisation=case.loss_reduction, accumulated_scaled_by=scaled_by,
                         accumulated={name: to_numpy(micro[name].mul_(scale)) for name in model.canonical},
                         full={name: to_numpy(p.grad) for name, p in model.canonical.items()},
                         item_counts=[int((b.labels != IGNORE_LABEL).sum()) for b in batches])

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...backend import FullBatchGap, Progress
+from ...backend import FullBatchGap, Progress, window_scale
 from .accumulate import accumulate
 from .model import to_numpy
 from .userbatch import item_count, join, micro_loss, to_device
@@ -30,8 +30,8 @@ def full_batch_gap(twin: Any, params: dict[str, Any], step_loss: Callable[[int],
         p.grad = None
     micro_loss(twin, whole, "the micro-batches joined into one batch", loss_fn, step).backward()
     full = {name: to_numpy(p.grad) if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
-    scale = 1.0 / accum_steps if loss_reduction == "mean" else 1.0
+    scale, scaled_by = window_scale(loss_reduction, accum_steps)
     counts = [item_count(b, loss_fn is not None) for b in batches]
-    return FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by="1/N" if scale != 1.0 else "1",
+    return FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by=scaled_by,
                         accumulated={name: g * scale for name, g in accumulated.items()}, full=full,
                         item_counts=None if None in counts else counts), accumulated

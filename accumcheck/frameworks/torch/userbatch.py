@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ...errors import AccumcheckError
-from ...usermodel import apply_loss, call_model, model_error, own_loss, split_batch
+from ...usermodel import apply_loss, call_model, map_leaves, model_error, own_loss, split_batch
 
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models skip
 
@@ -18,16 +18,13 @@ IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models
 def to_device(value: Any, device: Any, dtype: Any = None) -> Any:
     """``value`` with every tensor in it on ``device`` (floating ones in ``dtype`` when given),
     through tuples, lists, named tuples and mappings; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        value = value.to(device)
-        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    if isinstance(value, Mapping):
-        return {k: to_device(v, device, dtype) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(to_device(v, device, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, device, dtype) for v in value)
-    return value
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        leaf = leaf.to(device)
+        return leaf.to(dtype) if dtype is not None and leaf.is_floating_point() else leaf
+
+    return map_leaves(value, move)
 
 
 def is_scalar(value: Any) -> bool:
