@@ -228,3 +228,15 @@ def test_a_model_may_use_operations_without_a_deterministic_kernel():
     accumcheck.assert_faithful(accumcheck.torch.check(model, batches=pairs, accum_steps=N, step=step))
     assert set(seen) == {(True, True)}
     assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
+
+
+def test_floating_inputs_reach_the_model_in_its_dtype_through_every_nesting():
+    model, pairs = TwoInputs(), data()
+    model.to(torch.bfloat16)  # the batches stay float32: the check casts them, however nested
+    forms = [dict(batches=[{"x": x, "labels": y} for x, y in pairs]),
+             dict(loss_fn=ce, batches=[((x, torch.tensor(1.0)), y) for x, y in pairs]),
+             dict(batches=[{"pair": [x, y]} for x, y in pairs], step=lambda m, b: ce(m(b["pair"][0]).float(),
+                                                                                    b["pair"][1]))]
+    for kwargs in forms:
+        report = accumcheck.torch.check(model, accum_steps=N, mode="accumulator", **kwargs)
+        accumcheck.assert_faithful(report)
