@@ -192,3 +192,16 @@ class Backend(ABC):
         """``steps`` optimizer steps with native and manual accumulation (``accumcheck train``),
         where ``capabilities.trajectory`` says the backend can."""
         raise AccumcheckError(f"train: the {self.name} backend cannot run training trajectories")
+
+
+@dataclass
+class StackWindow:
+    """One optimizer step of a training stack: the gradient its optimizer was about to apply and
+    the gradient of the same window's micro-batches as one batch, both in float64, per parameter
+    name (``accumcheck.judge.stack`` says how they differ)."""
+
+    step: int  # the optimizer step, counted from 0
+    micro_batches: list[int]  # the run's micro-batch indices (from 0) in this window, in order
+    applied: dict[str, np.ndarray]
+    window: dict[str, np.ndarray]
+    item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known

@@ -60,14 +60,17 @@ class Candidate:
     reason: str
 
 
-def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1) -> FullBatchResult:
+def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
+                       micro_batches: int | None = None) -> FullBatchResult:
     """Whether ``gap``'s accumulated gradient is the full batch's (within SEMANTIC_TOLERANCE of its
-    largest element), and, where not, the factor between them and what it matches."""
+    largest element), and, where not, the factor between them and what it matches.
+    ``micro_batches`` is how many micro-batches the window held, where that may be fewer than
+    ``accum_steps`` (a training stack's last window)."""
     difference, worst = largest_difference(gap.accumulated, gap.full)
     equivalent = difference <= SEMANTIC_TOLERANCE
     fit = fit_factor(gap.accumulated, gap.full)
     constant = not equivalent and fit.constant
-    candidates = factor_candidates(accum_steps, world_size, gap.item_counts)
+    candidates = factor_candidates(accum_steps, world_size, gap.item_counts, micro_batches)
     match = matching(fit.factor, candidates) if constant else None
     figures = run_figures(accum_steps, world_size, gap.item_counts)
     factors = list(fit.tensor_factors.values())
@@ -115,15 +118,20 @@ def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) 
                      _ratio(left[furthest], norms[furthest]) if furthest else None, total == 0)
 
 
-def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None) -> list[Candidate]:
+def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None,
+                      micro_batches: int | None = None) -> list[Candidate]:
     """The run's numbers a constant factor may be, most common first (a value of 1 says nothing)."""
-    n, w = accum_steps, world_size
+    n, w, k = accum_steps, world_size, micro_batches
     ns = f"N = {n}"
-    found = [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
-             Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
-             Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),
-             Candidate("1/N^2", 1 / (n * n), ns, "the loss is divided by N twice more than the loss normalisation "
-                       "needs")]
+    found = []
+    if k is not None and k != n:  # a short window: its loss divided by N, not by the k it holds
+        found.append(Candidate("k/N", k / n, f"k = {k} micro-batches in a window of N = {n}",
+                               "the short window's losses are divided by N, not by the k micro-batches it holds"))
+    found += [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
+              Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
+              Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),
+              Candidate("1/N^2", 1 / (n * n), ns, "the loss is divided by N twice more than the loss normalisation "
+                        "needs")]
     if w > 1:
         both = f"N = {n}, W = {w}"
         found += [Candidate("W", w, f"W = {w}", "the ranks' gradients are summed where the all-reduce averages them"),

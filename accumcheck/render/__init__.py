@@ -10,17 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import AccumcheckError
-from ..report import CrossReport, Report, ReportDiff, SweepReport, TrajectoryReport
+from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TrajectoryReport
 from .csvfile import csv_rows
 from .html import html_report
-from .markdown import cross_markdown, diff_markdown, markdown, sweep_markdown
+from .markdown import cross_markdown, diff_markdown, markdown, stack_markdown, sweep_markdown
 from .table import render_console, table_text
 
 FORMATS = ("table", "json", "markdown", "csv", "html")
-_MARKDOWN = {Report: markdown, CrossReport: cross_markdown, SweepReport: sweep_markdown, ReportDiff: diff_markdown}
+_MARKDOWN = {Report: markdown, CrossReport: cross_markdown, SweepReport: sweep_markdown, ReportDiff: diff_markdown,
+             StackReport: stack_markdown}
 # The kinds not drawn in every format, and the formats they are drawn in.
-_ONLY = {TrajectoryReport: ("table", "json"), ReportDiff: ("table", "markdown")}
-_KIND_NAMES = {TrajectoryReport: "a trajectory report", ReportDiff: "a diff"}
+_ONLY = {TrajectoryReport: ("table", "json"), ReportDiff: ("table", "markdown"),
+         StackReport: ("table", "json", "markdown")}
+_KIND_NAMES = {TrajectoryReport: "a trajectory report", ReportDiff: "a diff", StackReport: "a training-stack report"}
 
 
 def render(report: Any, fmt: str) -> str:

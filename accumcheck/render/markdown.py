@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..report import CrossReport, Report, ReportDiff, SweepReport
+from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
 from .text import (
+    STACK_COLUMNS,
     cross_summary,
     describe,
     diff_extra_lines,
@@ -12,6 +13,8 @@ from .text import (
     header_lines,
     num,
     shape_text,
+    stack_header_lines,
+    stack_rows,
     summary_line,
     sweep_summary,
     tensor_details,
@@ -83,3 +86,18 @@ def diff_markdown(diff: ReportDiff) -> str:
         out.append(f"| `{c.name}` | {c.kind} | {mark}{c.verdict_a}{mark} | {mark}{c.verdict_b}{mark} "
                    f"| {num(c.ratio_a)} | {num(c.ratio_b)} |")
     return "\n".join(out + [""] + [f"- {e}" for e in diff_extra_lines(diff)] + ["", f"**{diff_summary(diff)}**", ""])
+
+
+def stack_markdown(report: StackReport) -> str:
+    """A training stack's check as markdown: its facts, one row an optimizer step, the summary."""
+    out = [f"## accumcheck stack: {report.stack} ({report.model}, N = {report.accum_steps})", ""]
+    out += [f"- {line}" for line in stack_header_lines(report)] + [""]
+    out.append("| " + " | ".join(STACK_COLUMNS) + " |")
+    out.append("|" + "|".join("---:" if c in ("step", "factor", "max rel diff") else "---" for c in STACK_COLUMNS) + "|")
+    for row in stack_rows(report):
+        row[3] = row[3] if row[3] == "faithful" else f"**{row[3]}**"
+        out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    out += ["", f"**{report.summary()}**", ""]
+    if report.reproduce:
+        out += [f"Reproduce: `{report.reproduce}`", ""]
+    return "\n".join(out)

@@ -11,8 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..cases import Case
-from ..report import CrossReport, Report, ReportDiff, SweepReport, TrajectoryReport
+from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TrajectoryReport
 from .text import (
+    STACK_COLUMNS,
     cross_summary,
     describe,
     diff_extra_lines,
@@ -21,6 +22,8 @@ from .text import (
     header_lines,
     num,
     shape_text,
+    stack_header_lines,
+    stack_rows,
     summary_line,
     sweep_summary,
     tensor_details,
@@ -144,6 +147,26 @@ def render_trajectory(report: TrajectoryReport, console: Console) -> None:
     console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True)
 
 
+def stack_table(report: StackReport) -> Table:
+    """One row an optimizer step: its window, what it applied, and how far from the window's gradient."""
+    table = Table(box=box.SIMPLE_HEAD)
+    for title in STACK_COLUMNS:
+        table.add_column(title, justify="right" if title in ("step", "factor", "max rel diff") else "left",
+                         overflow="fold", no_wrap=title != "what the step applied")
+    for row in stack_rows(report):
+        table.add_row(*row, style="" if row[3] == "faithful" else "bold red")
+    return table
+
+
+def render_stack(report: StackReport, console: Console) -> None:
+    for line in stack_header_lines(report):
+        console.print(line, soft_wrap=True)
+    console.print(stack_table(report))
+    console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True)
+    if report.reproduce:
+        console.print(f"reproduce: {report.reproduce}", soft_wrap=True)
+
+
 def render_diff(diff: ReportDiff, console: Console) -> None:
     """Both reports described, one row a tensor (changed verdicts in red), the summary."""
     for letter, name, report in (("A", diff.names[0], diff.a), ("B", diff.names[1], diff.b)):
@@ -174,7 +197,7 @@ def cases_table(cases: list[Case]) -> Table:
 
 _DRAW: dict[type, Callable[[Any, Console], None]] = {
     Report: render_table, CrossReport: render_cross_table, SweepReport: render_sweep_table,
-    TrajectoryReport: render_trajectory, ReportDiff: render_diff,
+    TrajectoryReport: render_trajectory, ReportDiff: render_diff, StackReport: render_stack,
 }
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..report import KIND_ORDER, CrossReport, Report, ReportDiff, SweepReport, TensorResult
+from ..report import KIND_ORDER, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
+from ..report.single import factor_text
 
 
 def num(x: float | None) -> str:
@@ -246,3 +247,29 @@ def one_line(report: Report | CrossReport | SweepReport) -> str:
     if isinstance(report, CrossReport):
         return cross_summary(report)
     return summary_line(report)
+
+
+STACK_COLUMNS = ("step", "micro-batches", "items", "verdict", "factor", "max rel diff", "what the step applied")
+
+
+def stack_header_lines(report: StackReport) -> list[str]:
+    """The facts of a training-stack run a reader needs before its table."""
+    versions = ", ".join(f"{k} {v}" for k, v in report.versions.items())
+    return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} "
+            f"(tolerance {report.tolerance:g} of the largest window gradient); {versions}",
+            *report.notes, report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
+                                                   else "; every micro-batch reached an optimizer step")]
+
+
+def stack_rows(report: StackReport) -> list[list[str]]:
+    """One row an optimizer step, in STACK_COLUMNS' order."""
+    rows = []
+    for s in report.steps:
+        r = s.result
+        items = "-" if not r.item_counts else "/".join(map(str, r.item_counts))
+        factor = "-" if r.equivalent or r.factor is None else (
+            f"{factor_text(r.factor)}" + (f" ({r.matches})" if r.matches else "") if r.constant else
+            f"{factor_text(r.factor_min)}..{factor_text(r.factor_max)}")
+        what = "the window's gradient" if r.equivalent else r.explanation
+        rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), what])
+    return rows

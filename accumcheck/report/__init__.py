@@ -16,6 +16,7 @@ from .single import (
                      Report,
                      SingleProcessAgreement,
 )
+from .stack import STEP_VERDICTS, StackReport, StackStep
 from .sweep import SweepReport, growth_rows
 from .tensor import FLAGGED_VERDICTS, KIND_ORDER, VERDICTS, TensorResult
 from .trajectory import TrajectoryReport
@@ -23,6 +24,6 @@ from .values import SCHEMA_VERSION
 
 __all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "Agreement",
            "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",
-           "RankVerdict", "Report", "ReportDiff", "SingleProcessAgreement", "SweepReport", "TensorChange",
+           "RankVerdict", "Report", "STEP_VERDICTS", "StackReport", "StackStep", "ReportDiff", "SingleProcessAgreement", "SweepReport", "TensorChange",
            "TensorResult", "TrajectoryReport", "diff_reports", "growth_rows", "load_report", "report_from_data",
            "write_atomic"]

@@ -10,12 +10,14 @@ from ..errors import AccumcheckError
 from ..files import MAX_REPORT_BYTES, read_text
 from .cross import CrossReport
 from .single import Report
+from .stack import StackReport
 from .sweep import SweepReport
 from .trajectory import TrajectoryReport
 from .values import SCHEMA_VERSION
 
-KINDS: dict[str, type] = {"report": Report, "cross": CrossReport, "sweep": SweepReport, "trajectory": TrajectoryReport}
-_NAMES = {"report": "", "cross": " cross-framework", "sweep": " sweep", "trajectory": " trajectory"}
+KINDS: dict[str, type] = {"report": Report, "cross": CrossReport, "sweep": SweepReport, "trajectory": TrajectoryReport,
+         "stack": StackReport}
+_NAMES = {"report": "", "cross": " cross-framework", "sweep": " sweep", "trajectory": " trajectory", "stack": " training-stack"}
 
 
 def report_from_data(data: Any, source: str = "<report>") -> Any:
@@ -52,6 +54,8 @@ def _emptiness(report: Any) -> str | None:
         return next(filter(None, map(_emptiness, report.reports)), None)
     if isinstance(report, TrajectoryReport) and (report.steps < 1 or not report.losses):
         return "no optimizer steps"
+    if isinstance(report, StackReport) and not report.steps and not report.micro_batches_seen:
+        return "no optimizer steps and no micro-batches"
     return None
 
 

@@ -1,0 +1,93 @@
+"""The report of a training stack's check (``accumcheck stack``, ``accumcheck.integrations``): at
+each optimizer step, the gradient the stack was about to apply against its window's micro-batches
+as one batch, and which micro-batches the run saw but never stepped on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .single import FullBatchResult
+from .values import SCHEMA_VERSION, Serialised
+
+STEP_VERDICTS = ("faithful", "constant-factor", "mismatch", "non-finite")
+
+
+@dataclass
+class StackStep:
+    """One optimizer step: its window and what its applied gradient is."""
+
+    step: int  # counted from 0
+    micro_batches: list[int]  # the run's micro-batch indices in the window
+    result: FullBatchResult  # applied gradient (A) against the window as one batch (F)
+
+    @property
+    def verdict(self) -> str:
+        """faithful (A = F within the tolerance), constant-factor (A = cF, c not 1), mismatch
+        (no single factor: the micro-batches are weighted unlike one batch) or non-finite."""
+        if self.result.equivalent:
+            return "faithful"
+        if self.result.constant:
+            return "constant-factor"
+        return "non-finite" if "not finite" in self.result.explanation else "mismatch"
+
+    @property
+    def window_text(self) -> str:
+        """The window's micro-batches, e.g. "0-3" or "8, 9" or "12"."""
+        first, last = self.micro_batches[0], self.micro_batches[-1]
+        if self.micro_batches == list(range(first, last + 1)):
+            return str(first) if first == last else f"{first}-{last}"
+        return ", ".join(map(str, self.micro_batches))
+
+
+@dataclass
+class StackReport(Serialised):
+    """Every optimizer step a training stack took in the checked run."""
+
+    stack: str  # "transformers", "accelerate", "lightning", "gluon"
+    model: str  # what ran: a built-in case's name or the user's model class
+    accum_steps: int  # N as the stack was configured
+    steps: list[StackStep]
+    micro_batches_seen: int  # micro-batches that ran forward and backward
+    unstepped: list[int]  # of those, the ones no optimizer step followed
+    precision: str  # the dtype the run was checked in
+    versions: dict[str, str]
+    tolerance: float
+    notes: list[str] = field(default_factory=list)  # what the check did to see the stack's gradient
+    reproduce: str = ""
+    kind: str = "stack"
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def flagged(self) -> list[StackStep]:
+        return [s for s in self.steps if s.verdict != "faithful"]
+
+    @property
+    def exit_code(self) -> int:
+        """1 when an optimizer step applied anything but its window's gradient, or micro-batches
+        never reached an optimizer step; else 0."""
+        return 1 if self.flagged or self.unstepped else 0
+
+    def counts_text(self) -> str:
+        """How much of the run was checked: "5 optimizer steps checked, 18 micro-batches seen"."""
+        steps = len(self.steps)
+        return (f"{steps} optimizer step{'s' * (steps != 1)} checked, {self.micro_batches_seen} micro-batch"
+                f"{'es' * (self.micro_batches_seen != 1)} seen")
+
+    def summary(self) -> str:
+        """One line: the verdict, the first flagged step and what its gradient is."""
+        dropped = ""
+        if self.unstepped:
+            dropped = (f"{len(self.unstepped)} micro-batch{'es' * (len(self.unstepped) != 1)} "
+                       f"({_indices(self.unstepped)}) never reached an optimizer step")
+        if not self.flagged:
+            if dropped:
+                return f"DROPPED BATCHES: {dropped}; every step that ran applied its window's gradient ({self.counts_text()})"
+            return (f"FAITHFUL: every optimizer step applied the gradient of its window as one batch "
+                    f"({self.counts_text()})")
+        first = self.flagged[0]
+        return (f"FLAGGED: {len(self.flagged)} of {len(self.steps)} optimizer steps; step {first.step} "
+                f"(micro-batches {first.window_text}): {first.result.explanation}" + (f"; {dropped}" if dropped else ""))
+
+
+def _indices(values: list[int]) -> str:
+    return ", ".join(map(str, values[:8])) + (" ..." if len(values) > 8 else "")
