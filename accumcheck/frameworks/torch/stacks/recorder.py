@@ -1,0 +1,225 @@
+"""What every PyTorch training stack's check shares: the model run in float64 for the check and put
+back afterwards, the micro-batches recorded as the stack feeds them, and at each optimizer step the
+gradient the optimizer is about to apply set beside the gradient of its window as one batch.
+
+In float64 the two are two summation orders of one sum, ~1e-15 apart; what is left to differ is
+what the stack does around autograd (how it normalises the loss, what it divides a window by,
+which micro-batches reach a step). Autocast leaves float64 alone, so a bf16 or fp16 setting of the
+stack does not hide anything here (precision is what ``accumcheck check`` looks at).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ....backend import StackWindow
+from ....errors import AccumcheckError
+from ....usermodel import map_leaves
+from ..model import to_numpy
+from ..userbatch import IGNORE_INDEX, item_count, join
+
+_DROPOUT_WORDS = ("dropout", "pdrop")
+
+
+def float64_leaves(value: Any) -> Any:
+    """``value`` with every floating tensor in it in float64 (through tuples, lists, mappings)."""
+    return map_leaves(value, lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      else t)
+
+
+def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a stack's wrapper (accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer), whose step runs only when the stack really steps."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__name__ == "AcceleratedOptimizer":
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or seen > 8:
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise AccumcheckError(f"stack check: {type(optimizer).__name__} is not a torch optimizer and wraps none; "
+                              "pass the optimizer the stack steps")
+    return optimizer
+
+
+class Float64Run:
+    """The model (and its optimizers) in float64 for the check, dropout off, and everything put
+    back on exit: parameter and buffer tensors (the very ones, so their values are bit for bit
+    as before), ``.grad``, training flags, dropout rates, optimizer state and hyper-parameters,
+    a ``forward`` a stack patched onto the model, and the random states the stack reseeds."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: tuple[Any, ...] = ()) -> None:
+        self.model = model
+        self.optimizers = [innermost_optimizer(o) for o in optimizers if o is not None]
+        self.dropouts = 0
+
+    def __enter__(self) -> "Float64Run":
+        model = self.model
+        self._params = [p for p in model.parameters()]
+        self._data = [p.data for p in self._params]
+        self._grads = [p.grad for p in self._params]
+        self._buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+        self._flags = [(m, m.training) for m in model.modules()]
+        self._forward = model.__dict__.get("forward")
+        self._rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self._optimizer_state = [(o, o.state, [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups])
+                                 for o in self.optimizers]
+        self._rates = self._dropout_off(model)
+        with torch.no_grad():
+            for p in self._params:
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.float64)
+                p.grad = None
+            for m, name, b in self._buffers:
+                if b.is_floating_point():
+                    m._buffers[name] = b.to(torch.float64)
+            for o in self.optimizers:  # state the optimizer already has, in float64 for the run
+                fresh = type(o.state)() if isinstance(o.state, dict) else {}
+                for p, s in o.state.items():
+                    fresh[p] = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                and v.dim() > 0 else v for k, v in s.items()}
+                o.state = fresh
+        self._hook = model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.remove()
+        for p, data, grad in zip(self._params, self._data, self._grads):
+            p.data = data
+            p.grad = grad
+        for m, name, b in self._buffers:
+            m._buffers[name] = b
+        for m, flag in self._flags:
+            m.training = flag
+        for obj, attr, value in self._rates:
+            setattr(obj, attr, value)
+        if self._forward is None:
+            self.model.__dict__.pop("forward", None)
+        else:
+            self.model.forward = self._forward
+        for o, state, groups in self._optimizer_state:
+            o.state = state
+            for group, saved in zip(o.param_groups, groups):
+                group.update(saved)
+        random.setstate(self._rng[0])
+        np.random.set_state(self._rng[1])
+        torch.set_rng_state(self._rng[2])
+
+    def _dropout_off(self, model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+        """Every dropout rate set to 0, as (object, attribute, old value): ``nn.Dropout*`` modules'
+        ``p`` and float attributes named like a dropout rate (Hugging Face attention modules
+        keep ``attention_dropout`` and call the functional form)."""
+        saved = []
+        for m in model.modules():
+            for attr, value in list(vars(m).items()):
+                is_rate = (attr == "p" and isinstance(m, torch.nn.modules.dropout._DropoutNd)) or \
+                    any(word in attr.lower() for word in _DROPOUT_WORDS)
+                if is_rate and isinstance(value, float) and value > 0:
+                    saved.append((m, attr, value))
+                    setattr(m, attr, 0.0)
+        self.dropouts = len(saved)
+        return saved
+
+
+def _inputs_in_float64(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    return float64_leaves(args), float64_leaves(kwargs)
+
+
+class StackRecorder:
+    """The micro-batches a stack feeds, and at each optimizer step its window judged-ready: the
+    applied gradient and the window's gradient as one batch, both float64.
+
+    ``window_loss(model, batch)`` is the loss of a batch as the stack computes it, applied to
+    the window's micro-batches joined (``join_window``, default: concatenated along dim 0,
+    sequences right-padded to one length). ``capture()`` is called before clipping and, as a
+    fallback, from the optimizer's step pre-hook; a window is captured once."""
+
+    def __init__(self, model: torch.nn.Module, window_loss: Callable[[Any, Any], Any],
+                 join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False) -> None:
+        self.model = model
+        self.window_loss = window_loss
+        self.join_window = join_window or join_padded
+        self.labelled = labelled  # (inputs, target) batches: count the target's items
+        self.windows: list[StackWindow] = []
+        self.pending: list[tuple[int, Any]] = []
+        self.seen = 0
+        self._hooks: list[Any] = []
+
+    def record(self, batch: Any) -> None:
+        """One micro-batch entered the current window (kept as it was fed)."""
+        kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+        self.pending.append((self.seen, kept))
+        self.seen += 1
+
+    def watch(self, optimizer: Any) -> None:
+        """Capture at ``optimizer``'s real steps (a wrapper's skipped steps do not count)."""
+        inner = innermost_optimizer(optimizer)
+        self._hooks.append(inner.register_step_pre_hook(lambda *_: self.capture()))
+
+    def unwatch(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def capture(self) -> None:
+        """The current window: the gradient in ``.grad`` now, and the window's as one batch (the
+        stack's gradients and buffers are put back before it goes on)."""
+        if not self.pending:
+            return
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        applied = {name: _grad(p) for name, p in named}
+        batches = [b for _, b in self.pending]
+        grads = [p.grad for _, p in named]
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        try:
+            for _, p in named:
+                p.grad = None
+            with torch.enable_grad():
+                loss = self.window_loss(self.model, self.join_window(batches))
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+                    raise AccumcheckError("stack check: the window's loss is not a scalar tensor with a gradient "
+                                          f"(got {type(loss).__name__}); the loss function must return the loss")
+                loss.backward()
+            window = {name: _grad(p) for name, p in named}
+        finally:
+            with torch.no_grad():
+                for (_, p), g in zip(named, grads):
+                    p.grad = g
+                for b, value in buffers:
+                    b.copy_(value)
+        counts = [item_count(b, self.labelled) for b in batches]
+        self.windows.append(StackWindow(step=len(self.windows), micro_batches=[i for i, _ in self.pending],
+                                        applied=applied, window=window,
+                                        item_counts=None if None in counts else counts))
+        self.pending = []
+
+
+def _grad(p: torch.Tensor) -> np.ndarray:
+    return np.zeros(tuple(p.shape)) if p.grad is None else to_numpy(p.grad).astype(np.float64)
+
+
+def join_padded(batches: list[Any]) -> Any:
+    """The micro-batches as one batch: mappings of sequences padded on the right to the longest
+    (``labels`` with -100, which every loss here ignores, anything else with 0: an attention mask
+    of 0 hides the padding), then concatenated along dim 0."""
+    if all(isinstance(b, Mapping) for b in batches):
+        width = {}
+        for b in batches:
+            for key, value in b.items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                    width[key] = max(width.get(key, 0), value.shape[1])
+        batches = [{k: _pad(v, width[k], IGNORE_INDEX if k == "labels" else 0) if k in width else v
+                    for k, v in b.items()} for b in batches]
+    return join(batches, None)
+
+
+def _pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    if value.shape[1] == width:
+        return value
+    pad = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), fill)
+    return torch.cat([value, pad], dim=1)
