@@ -1,0 +1,1 @@
+"""Training stacks under accumcheck: one module per stack."""
