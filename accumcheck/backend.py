@@ -118,6 +118,7 @@ class FullBatchGap:
     accumulated: dict[str, np.ndarray]  # already scaled
     full: dict[str, np.ndarray]
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
+    predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
 
 
 @dataclass
@@ -205,3 +206,4 @@ class StackWindow:
     applied: dict[str, np.ndarray]
     window: dict[str, np.ndarray]
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
+    predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)

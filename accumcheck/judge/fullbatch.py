@@ -70,7 +70,7 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     equivalent = difference <= SEMANTIC_TOLERANCE
     fit = fit_factor(gap.accumulated, gap.full)
     constant = not equivalent and fit.constant
-    candidates = factor_candidates(accum_steps, world_size, gap.item_counts, micro_batches)
+    candidates = factor_candidates(accum_steps, world_size, gap.item_counts, micro_batches, gap.predicted_counts)
     match = matching(fit.factor, candidates) if constant else None
     figures = run_figures(accum_steps, world_size, gap.item_counts)
     factors = list(fit.tensor_factors.values())
@@ -119,8 +119,10 @@ def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) 
 
 
 def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None,
-                      micro_batches: int | None = None) -> list[Candidate]:
-    """The run's numbers a constant factor may be, most common first (a value of 1 says nothing)."""
+                      micro_batches: int | None = None, predicted_counts: list[int] | None = None) -> list[Candidate]:
+    """The run's numbers a constant factor may be, most common first (a value of 1 says nothing).
+    ``predicted_counts`` are the labels a causal language model predicts per micro-batch (after
+    its shift, which drops each sequence's first label), where they differ from ``item_counts``."""
     n, w, k = accum_steps, world_size, micro_batches
     ns = f"N = {n}"
     found = []
@@ -151,6 +153,11 @@ def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[i
                   Candidate("T/N", total / n, f"T = {total} items, N = {n}", "each micro-batch's loss sums over its "
                             "items and the accumulated sum is divided by N, where the full batch averages over the "
                             "items")]
+    predicted = sum(predicted_counts or ())
+    if total > 0 and predicted > 0 and predicted != total:
+        found.append(Candidate("predicted/labelled", predicted / total, f"{predicted} predicted of {total} labelled "
+                               "tokens", "the loss is divided by the labelled tokens counted before the causal "
+                               "shift, which leaves each sequence's first label out of the loss (transformers#46204)"))
     if total > 0 and min(item_counts) > 0:
         found.append(Candidate("largest/smallest items", max(item_counts) / min(item_counts),
                                f"items per micro-batch {min(item_counts)} to {max(item_counts)}",

@@ -17,18 +17,20 @@ from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
 def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     """The verdict of one optimizer step: its applied gradient A against its window's F."""
     gap = FullBatchGap(normalisation="the window as one batch", accumulated_scaled_by="1",
-                       accumulated=window.applied, full=window.window, item_counts=window.item_counts)
+                       accumulated=window.applied, full=window.window, item_counts=window.item_counts,
+                       predicted_counts=window.predicted_counts)
     result = full_batch_verdict(gap, accum_steps, micro_batches=len(window.micro_batches))
     return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result)
 
 
 def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWindow], micro_batches_seen: int,
                  versions: dict[str, str], notes: list[str] | None = None, reproduce: str = "",
-                 precision: str = "float64") -> StackReport:
+                 precision: str = "float64", micro_batches_expected: int | None = None) -> StackReport:
     """The report of a stack's run: every window judged; the micro-batches that ran but are in no
     window are the ones never stepped on."""
     stepped = {i for w in windows for i in w.micro_batches}
     return StackReport(stack=stack, model=model, accum_steps=accum_steps,
                        steps=[judge_window(w, accum_steps) for w in windows], micro_batches_seen=micro_batches_seen,
                        unstepped=[i for i in range(micro_batches_seen) if i not in stepped], precision=precision,
-                       versions=versions, tolerance=SEMANTIC_TOLERANCE, notes=list(notes or []), reproduce=reproduce)
+                       versions=versions, tolerance=SEMANTIC_TOLERANCE, notes=list(notes or []), reproduce=reproduce,
+                       micro_batches_expected=micro_batches_expected)

@@ -258,7 +258,7 @@ def stack_header_lines(report: StackReport) -> list[str]:
     return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} "
             f"(tolerance {report.tolerance:g} of the largest window gradient); {versions}",
             *report.notes, report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
-                                                   else "; every micro-batch reached an optimizer step")]
+                                                   else "; every micro-batch seen reached an optimizer step")]
 
 
 def stack_rows(report: StackReport) -> list[list[str]]:

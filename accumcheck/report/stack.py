@@ -53,6 +53,9 @@ class StackReport(Serialised):
     versions: dict[str, str]
     tolerance: float
     notes: list[str] = field(default_factory=list)  # what the check did to see the stack's gradient
+    # micro-batches the run's data holds (its data loader's length times the epochs), where the
+    # run was not cut short by the check: more than were seen is batches the stack never ran
+    micro_batches_expected: int | None = None
     reproduce: str = ""
     kind: str = "stack"
     schema_version: int = SCHEMA_VERSION
@@ -62,23 +65,32 @@ class StackReport(Serialised):
         return [s for s in self.steps if s.verdict != "faithful"]
 
     @property
+    def never_ran(self) -> int:
+        """Micro-batches of the run's data the stack never fed (0 where that is not known)."""
+        return max(0, (self.micro_batches_expected or 0) - self.micro_batches_seen)
+
+    @property
     def exit_code(self) -> int:
         """1 when an optimizer step applied anything but its window's gradient, or micro-batches
-        never reached an optimizer step; else 0."""
-        return 1 if self.flagged or self.unstepped else 0
+        never ran or never reached an optimizer step; else 0."""
+        return 1 if self.flagged or self.unstepped or self.never_ran else 0
 
     def counts_text(self) -> str:
         """How much of the run was checked: "5 optimizer steps checked, 18 micro-batches seen"."""
         steps = len(self.steps)
         return (f"{steps} optimizer step{'s' * (steps != 1)} checked, {self.micro_batches_seen} micro-batch"
-                f"{'es' * (self.micro_batches_seen != 1)} seen")
+                f"{'es' * (self.micro_batches_seen != 1)} seen" +
+                (f" of the {self.micro_batches_expected} the data holds" if self.micro_batches_expected else ""))
 
     def summary(self) -> str:
         """One line: the verdict, the first flagged step and what its gradient is."""
-        dropped = ""
+        lost = []
+        if self.never_ran:
+            lost.append(f"{self.never_ran} of the data's {self.micro_batches_expected} micro-batches never ran")
         if self.unstepped:
-            dropped = (f"{len(self.unstepped)} micro-batch{'es' * (len(self.unstepped) != 1)} "
-                       f"({_indices(self.unstepped)}) never reached an optimizer step")
+            lost.append(f"{len(self.unstepped)} micro-batch{'es' * (len(self.unstepped) != 1)} "
+                        f"({_indices(self.unstepped)}) never reached an optimizer step")
+        dropped = "; ".join(lost)
         if not self.flagged:
             if dropped:
                 return f"DROPPED BATCHES: {dropped}; every step that ran applied its window's gradient ({self.counts_text()})"

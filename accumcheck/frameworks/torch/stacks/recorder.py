@@ -193,14 +193,25 @@ class StackRecorder:
                 for b, value in buffers:
                     b.copy_(value)
         counts = [item_count(b, self.labelled) for b in batches]
+        predicted = [predicted_count(b) for b in batches]
         self.windows.append(StackWindow(step=len(self.windows), micro_batches=[i for i, _ in self.pending],
                                         applied=applied, window=window,
-                                        item_counts=None if None in counts else counts))
+                                        item_counts=None if None in counts else counts,
+                                        predicted_counts=None if None in predicted else predicted))
         self.pending = []
 
 
 def _grad(p: torch.Tensor) -> np.ndarray:
     return np.zeros(tuple(p.shape)) if p.grad is None else to_numpy(p.grad).astype(np.float64)
+
+
+def predicted_count(batch: Any) -> int | None:
+    """The labels of a Hugging Face batch a causal LM predicts: ``labels[..., 1:]`` that are not
+    -100 (its loss shifts the labels by one, so each sequence's first label is never a target)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() == 2:
+        return int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return None
 
 
 def join_padded(batches: list[Any]) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from typing import Any
 
 from ....errors import AccumcheckError
@@ -63,6 +64,9 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
         for name, value in saved.items():
             setattr(trainer, name, value)
     args = trainer.args
+    expected = None
+    if steps is None and args.max_steps <= 0:  # the whole configured run: every batch of every epoch
+        expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs)
     notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
              f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
              f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference",
@@ -70,7 +74,8 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
              "random states were put back after the run"]
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
-                        reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})")
+                        reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
+                        micro_batches_expected=expected)
 
 
 def _window_loss(trainer: Any, model: Any, batch: Any) -> Any:
