@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .backend import Backend, Progress, RunResult
+from .casefile import resolve_case
 from .cases import Case
 from .config import RunConfig
 from .diagnostics.layers import layer_norms
@@ -24,7 +26,7 @@ from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .judge import agreement, build_report, forward_agreement
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
-from .options import TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
+from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .registry import backend_names, get_backend, installed_backends
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
 from .validation import checked_values, configure
@@ -148,3 +150,19 @@ def train(case: str | Path | Case = "tiny-grads", *, steps: int = 20, optimizer:
         raise AccumcheckError(f"train: the {backend.name} backend runs no training trajectories; "
                               f"use --framework {' or '.join(able) or 'NAME of one that does'}")
     return backend.train(config, own["steps"], own["optimizer"], own["lr"], progress)
+
+
+def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: int | None = None,
+          batches: int | None = None, fault: str | None = None) -> Any:
+    """A built-in case (or case file) run through a training stack ("transformers",
+    "accelerate", "lightning", "gluon") as a user would write it, every optimizer step judged
+    against its window as one batch; ``fault`` breaks the loop on purpose ("micro-batch-mean",
+    "loss-over-n", and for gluon "step-per-micro-batch"). Returns a StackReport."""
+    if stack not in STACKS:
+        raise AccumcheckError(f"--stack {stack}: not a training stack accumcheck knows; use one of {', '.join(STACKS)}")
+    resolved = resolve_case(case)
+    for name, value in (("--accum-steps", accum_steps), ("--batches", batches)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise AccumcheckError(f"{name} {value}: give a positive whole number")
+    module = importlib.import_module(f"accumcheck.integrations.{stack}")
+    return module.run_case(resolved, accum_steps or resolved.accum_steps, batches, fault)

@@ -21,7 +21,18 @@ from .casefile import builtin_cases
 from .errors import AccumcheckError
 from .files import check_output_file, check_output_folder, write_or_rescue
 from .launch import launched_rank, launched_world_size
-from .options import MODES, REDUCTIONS, RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
+from .options import (
+    MODES,
+    REDUCTIONS,
+    RUN_OPTIONS,
+    STACK_FAULTS,
+    STACKS,
+    TRAIN_OPTIONS,
+    TRAIN_RUN_OPTIONS,
+    Option,
+    add_options,
+    comma_list,
+)
 from .registry import backend_names, backend_options
 from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
@@ -96,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run even where the check's memory estimate exceeds what is available")
     _add_output_options(check, plot=True)
 
+    stack = sub.add_parser("stack", help="run a built-in case through a training stack and check every optimizer step")
+    stack.add_argument("--stack", required=True, choices=STACKS, help="the training stack whose loop runs the case")
+    stack.add_argument("--case", default="padded-tokens", help="a built-in case or case file (default: %(default)s)")
+    stack.add_argument("--accum-steps", type=_accum_steps().from_text, metavar="N",
+                       help="micro-batches per optimizer step (default: the case's)")
+    stack.add_argument("--batches", type=_accum_steps().from_text, metavar="M",
+                       help="micro-batches in the run (default 2N + 2: two full windows and a short one)")
+    stack.add_argument("--fault", choices=STACK_FAULTS, help="break the loop on purpose to see the check fire")
+    stack.add_argument("--format", choices=("table", "json", "markdown"), default="table", help="output format (default: %(default)s)")
+    stack.add_argument("--output", metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
+
     sub.add_parser("cases", help="list the built-in cases")
 
     show = sub.add_parser("show", help="re-render a saved JSON report")
@@ -124,10 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("give a command: compare, sweep, train, check, diff, cases or show")
+        parser.error("give a command: compare, sweep, train, check, stack, diff, cases or show")
     try:
         return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
-                "train": _train, "check": _check}[args.command](args)
+                "train": _train, "check": _check, "stack": _stack}[args.command](args)
     except AccumcheckError as exc:
         rank = launched_rank()
         print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
@@ -218,6 +240,13 @@ def _check(args: argparse.Namespace) -> int:
     _emit(report, args)
     if args.plot:
         _plots([report], args.plot)
+    return report.exit_code
+
+
+def _stack(args: argparse.Namespace) -> int:
+    _check_outputs(args)
+    report = api.stack(args.stack, args.case, args.accum_steps, args.batches, args.fault)
+    _emit(report, args)
     return report.exit_code
 
 

@@ -283,3 +283,13 @@ def add_options(add_argument: Callable[..., Any], options: Iterable[Option], pre
     for option in options:
         option.add_to(add_argument, prefix, as_list=as_lists and option.pytest == "list",
                       default=None if as_lists else ...)
+
+
+STACKS = ("transformers", "accelerate", "lightning", "gluon")
+STACK_FAULTS = ("micro-batch-mean", "loss-over-n", "step-per-micro-batch")
+
+
+def stack_command(stack: str, case: str, accum_steps: int, batches: int | None = None, fault: str | None = None) -> str:
+    """The command that reruns ``accumcheck stack`` on a built-in case."""
+    return " ".join(["accumcheck stack", f"--stack {stack}", f"--case {case}", f"--accum-steps {accum_steps}"] +
+                    ([f"--batches {batches}"] if batches is not None else []) + ([f"--fault {fault}"] if fault else []))

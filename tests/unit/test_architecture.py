@@ -8,7 +8,8 @@ The floors, lowest first (a module may import from its own floor and the floors 
                 parts
   judge         accumcheck.judge: statistics, verdicts, data-parallel and cross-framework checks
   frameworks    accumcheck.frameworks: one package per framework
-  entry points  accumcheck (the package's face), accumcheck.api, .cli, .plugin, .assertions
+  entry points  accumcheck (the package's face), accumcheck.api, .cli, .plugin, .assertions, and
+                accumcheck.integrations (one face per training stack)
 
 Every import counts, at module level or inside a function.
 """
@@ -27,7 +28,7 @@ FRAMEWORKS = ("torch", "mxnet")
 
 
 def floor_of(module: str) -> str:
-    if module in ENTRY_POINTS:
+    if module in ENTRY_POINTS or module.startswith("accumcheck.integrations"):
         return "entry points"
     for prefix, floor in (("accumcheck.judge", "judge"), ("accumcheck.frameworks", "frameworks")):
         if module == prefix or module.startswith(prefix + "."):

@@ -23,6 +23,7 @@ class CaseLM(torch.nn.Module):
     window's count (every micro-batch's own mean, transformers#34191), "loss-over-n" divides the
     loss by N once more."""
 
+    accepts_loss_kwargs = True  # tells Hugging Face's Trainer to pass num_items_in_batch
     def __init__(self, case: Case, accum_steps: int, fault: str | None = None) -> None:
         super().__init__()
         if fault is not None and fault not in FAULTS:

@@ -17,11 +17,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import tempfile
 from typing import Any
 
+from ....cases import Case
 from ....errors import AccumcheckError
 from ....judge.stack import stack_report
+from ....options import stack_command
 from ....report import StackReport
+from .cases import CaseLM, case_examples
+
+FAULTS = ("micro-batch-mean", "loss-over-n")
 from .recorder import Float64Run, StackRecorder
 
 
@@ -78,13 +84,57 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
                         micro_batches_expected=expected)
 
 
+def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+    """A built-in case through a Hugging Face Trainer as a user would set it up (its default
+    clipping, AdamW, shuffling; the model passes ``num_items_in_batch`` on), ``batches``
+    micro-batches (default 2N + 2: two full windows and a short one), in one epoch."""
+    transformers = _transformers()
+    if fault not in (None, *FAULTS):
+        raise AccumcheckError(f"--fault {fault}: not a fault the transformers stack runs; use one of {', '.join(FAULTS)}")
+    model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
+    count = 2 * accum_steps + 2 if batches is None else batches
+    with tempfile.TemporaryDirectory(prefix="accumcheck-trainer-") as folder:
+        args = transformers.TrainingArguments(
+            output_dir=folder, per_device_train_batch_size=case.input.batch_size, gradient_accumulation_steps=accum_steps,
+            num_train_epochs=1, learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
+            use_cpu=True, disable_tqdm=True, seed=case.seed)
+        kind = _loss_over_n(transformers.Trainer) if fault == "loss-over-n" else transformers.Trainer
+        trainer = kind(model=model, args=args, train_dataset=case_examples(case, count))
+        trainer.remove_callback(transformers.PrinterCallback)  # the Trainer's own log lines
+        report = check(trainer)
+    report.model = f"{case.name} (built-in case)"
+    report.reproduce = stack_command("transformers", case.name, accum_steps, batches, fault)
+    return report
+
+
+def _loss_over_n(base: type) -> type:
+    class LossOverN(base):  # type: ignore[misc, valid-type]
+        """The loss divided by N once more in compute_loss: the Trainer divides it already."""
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(model, inputs, *args, **kwargs) / self.args.gradient_accumulation_steps
+
+    return LossOverN
+
+
 def _window_loss(trainer: Any, model: Any, batch: Any) -> Any:
-    """The Trainer's own loss of the window as one batch: its ``compute_loss``, with no
-    ``num_items_in_batch``, so the loss normalises over the window itself."""
+    """The Trainer's own loss of the window as one batch: its ``compute_loss`` with no
+    ``num_items_in_batch``, so the loss normalises over the window itself, and with
+    ``gradient_accumulation_steps`` 1 while it runs (one batch is a window of one), so a
+    ``compute_loss`` that divides by it is caught dividing the real windows."""
     inputs = trainer._prepare_inputs(batch)
-    if "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters:
-        return trainer.compute_loss(model, inputs, num_items_in_batch=None)
-    return trainer.compute_loss(model, inputs)
+    saved = trainer.args.gradient_accumulation_steps, trainer.__dict__.get("current_gradient_accumulation_steps")
+    trainer.args.gradient_accumulation_steps = 1
+    if saved[1] is not None:
+        trainer.current_gradient_accumulation_steps = 1
+    try:
+        if "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters:
+            return trainer.compute_loss(model, inputs, num_items_in_batch=None)
+        return trainer.compute_loss(model, inputs)
+    finally:
+        trainer.args.gradient_accumulation_steps = saved[0]
+        if saved[1] is not None:
+            trainer.current_gradient_accumulation_steps = saved[1]
 
 
 def _recording(training_step: Any, recorder: StackRecorder) -> Any:
