@@ -20,12 +20,13 @@ from typing import Any
 
 from ..errors import AccumcheckError
 
-__all__ = ["check", "run_case"]
+_NAMES = ("check", "run_case")
+__all__ = [*_NAMES]
 _HOME = "accumcheck.frameworks.torch.stacks.transformers"
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    if name not in _NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
         module = importlib.import_module(_HOME)

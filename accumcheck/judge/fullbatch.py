@@ -127,8 +127,10 @@ def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[i
     ns = f"N = {n}"
     found = []
     if k is not None and k != n:  # a short window: its loss divided by N, not by the k it holds
-        found.append(Candidate("k/N", k / n, f"k = {k} micro-batches in a window of N = {n}",
-                               "the short window's losses are divided by N, not by the k micro-batches it holds"))
+        short = f"k = {k} micro-batches in a window of N = {n}"
+        found += [Candidate("k/N", k / n, short,
+                            "the short window's losses are divided by N, not by the k micro-batches it holds"),
+                  Candidate("k", k, short, "the short window's micro-batch losses are summed without dividing by k")]
     found += [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
               Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
               Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),

@@ -366,3 +366,32 @@ def test_float32_gradients_too_large_to_square_in_float32_are_fitted_in_float64(
     assert result.factor == 3.0 and result.spread == 1.0
     assert result.residual == pytest.approx(0.5) and result.worst_tensor_residual == pytest.approx(0.5)
     assert result.explanation == WEIGHTED_SENTENCE + ITEM_COUNT_CAUSE
+
+
+def window_verdict(factor, micro_batches, steps=4, item_counts=None, predicted_counts=None) -> FullBatchResult:
+    gap = FullBatchGap("the window as one batch", "1", scaled(factor), FULL, item_counts, predicted_counts)
+    return full_batch_verdict(gap, steps, micro_batches=micro_batches)
+
+
+def test_a_short_window_divided_by_n_is_k_over_n_and_summed_is_k():
+    half = window_verdict(0.5, micro_batches=2)
+    assert half.matches == "k/N" and half.explanation.endswith(
+        "matches k/N (k = 2 micro-batches in a window of N = 4): the short window's losses are divided by N, not by "
+        "the k micro-batches it holds")
+    assert window_verdict(2.0, micro_batches=2).matches == "k"
+    assert window_verdict(4.0, micro_batches=2).matches == "N"  # a short window summed like a full one
+    assert [c.name for c in factor_candidates(4, micro_batches=3)][:2] == ["k/N", "k"]
+
+
+def test_a_full_window_has_no_short_window_candidates():
+    assert [c.name for c in factor_candidates(4, micro_batches=4)] == ["N", "1/N", "N^2", "1/N^2"]
+    assert window_verdict(0.5, micro_batches=4).matches is None
+
+
+def test_labels_counted_before_a_causal_shift_are_predicted_over_labelled():
+    result = window_verdict(57 / 65, micro_batches=4, item_counts=[13, 18, 9, 25], predicted_counts=[11, 16, 7, 23])
+    assert result.matches == "predicted/labelled"
+    assert "57 predicted of 65 labelled tokens" in result.explanation and "transformers#46204" in result.explanation
+    names = [c.name for c in factor_candidates(4, 1, [13, 18, 9, 25], None, [13, 18, 9, 25])]
+    assert "predicted/labelled" not in names  # nothing shifted: no such candidate
+    assert "predicted/labelled" not in [c.name for c in factor_candidates(4, 1, [13, 18, 9, 25], None, [0, 0, 0, 0])]
