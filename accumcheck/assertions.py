@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from .render.text import cross_summary, num, summary_line, tensor_details
-from .report import CrossReport, Report
+from .report import CrossReport, Report, StackReport
 
 
 class AccumulationMismatch(AssertionError):
     """Raised by assert_faithful; the message names every flagged tensor and its numbers."""
 
 
-def failure_message(report: Report | CrossReport) -> str:
+def failure_message(report: Report | CrossReport | StackReport) -> str:
     """The text assert_faithful raises with: what was flagged, then torch.testing-style lines
     (mismatched elements, greatest differences and where) plus the bound, ratio, ulps, gradient
     magnitude and the mode nearer the float64 sum, then the command that reproduces the run."""
+    if isinstance(report, StackReport):
+        where = f"{report.stack}, {report.model}, N = {report.accum_steps}"
+        lines = [f"The training stack's optimizer steps are not their windows' gradients ({where}): {report.summary()}",
+                 ""]
+        lines += [f"step {s.step} (micro-batches {s.window_text}): {s.verdict}: {s.result.explanation}"
+                  for s in report.flagged]
+        return "\n".join(lines + ["", f"Reproduce: {report.reproduce}"])
     if isinstance(report, CrossReport):
         lines = [f"Frameworks disagree: {cross_summary(report)}", ""]
         for r in report.reports:
@@ -33,7 +40,7 @@ def failure_message(report: Report | CrossReport) -> str:
     return "\n".join(lines)
 
 
-def assert_faithful(report: Report | CrossReport) -> None:
+def assert_faithful(report: Report | CrossReport | StackReport) -> None:
     """Pass when no tensor is flagged (and, for a CrossReport, the frameworks agree); raise
     AccumulationMismatch (an AssertionError) with ``failure_message(report)`` otherwise."""
     __tracebackhide__ = True

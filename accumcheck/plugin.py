@@ -7,7 +7,8 @@ it, so that a test run that does not use accumcheck pays nothing for it being in
 test per item), --accum-world-size, --accum-report. Tests that ask for the fixtures
 ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run once per
 combination; ``accum_compare`` runs a case with them and saves its report, ``accum_check`` runs
-your own model's check at the run's steps and saves its report.
+your own model's check at the run's steps and saves its report, ``accum_stack`` runs a built-in
+case through a training stack at the run's steps.
 
 A test in which ``accumcheck.compare`` itself raised (an AccumcheckError for a bad case or
 option, or a bug in accumcheck) is reported as an error (E), not as a failure (F): a failure is
@@ -196,6 +197,20 @@ def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Call
     def run(model: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["accum_steps"] = accum_steps if accum_steps is not None else kwargs.get("accum_steps", 16)
         return _saved_run(request, check, model, *args, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def accum_stack(request: pytest.FixtureRequest, accum_steps: int | None) -> Callable[..., Any]:
+    """``accum_stack(stack, case="padded-tokens", batches=None, fault=None)``: ``accumcheck
+    stack`` (a built-in case through Hugging Face's Trainer, accelerate, Lightning or Gluon's
+    Trainer) at this run's steps (--accum-steps; the case's N when not given); the report is
+    saved under --accum-report when given."""
+    from .api import stack
+
+    def run(name: str, case: str = "padded-tokens", **kwargs: Any) -> Any:
+        return _saved_run(request, stack, name, case, accum_steps, **kwargs)
 
     return run
 

@@ -355,6 +355,41 @@ def mxnet_16708_figures() -> dict[str, str]:
     return figures
 
 
+@group("stacks", needs="lightning")
+def stack_figures() -> dict[str, str]:
+    """The training stacks: accumcheck stack on the built-in case, and the README's examples."""
+    figures: dict[str, str] = {}
+    for stack, fault in (("transformers", None), ("transformers", "micro-batch-mean"), ("accelerate", "loss-over-n"),
+                         ("lightning", None), ("gluon", "step-per-micro-batch")):
+        args = ["stack", "--stack", stack, "--accum-steps", "4"] + (["--fault", fault] if fault else [])
+        _, out = cli(*args)
+        figures[f"stack.{stack}.{fault or 'correct'}"] = console("accumcheck " + " ".join(args), out)
+    for name in ("accelerate", "lightning", "gluon"):
+        figures[f"stack.example.{name}"] = console(f"python examples/stack_{name}.py",
+                                                   example(f"examples/stack_{name}.py"))
+    return figures
+
+
+@group("trainer-releases", needs="transformers")
+def trainer_release_figures() -> dict[str, str]:
+    """examples/trainer_variable_length.py under this environment's transformers (4.45.2 and the
+    current release run in the environments ci/transformers_releases.sh builds)."""
+    from importlib.metadata import version
+
+    release = version("transformers")
+    return {f"trainer.{release}.console": console(f"pip install transformers=={release} && python "
+                                                  "examples/trainer_variable_length.py",
+                                                  example("examples/trainer_variable_length.py"))}
+
+
+def example(path: str) -> str:
+    """What an example script prints (it exits 1 when it shows a flagged run)."""
+    result = subprocess.run([sys.executable, path], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if result.returncode not in (0, 1):
+        raise RuntimeError(f"python {path} failed:\n{result.stderr}")
+    return result.stdout
+
+
 # ----------------------------------------------------------------------------- benchmarks
 
 
@@ -415,7 +450,7 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 
 def unknown_marks() -> list[str]:
-    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation"}
+    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 

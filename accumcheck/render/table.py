@@ -152,7 +152,7 @@ def stack_table(report: StackReport) -> Table:
     table = Table(box=box.SIMPLE_HEAD)
     for title in STACK_COLUMNS:
         table.add_column(title, justify="right" if title in ("step", "factor", "max rel diff") else "left",
-                         overflow="fold", no_wrap=title != "what the step applied")
+                         overflow="fold", no_wrap=title != "why")
     for row in stack_rows(report):
         table.add_row(*row, style="" if row[3] == "faithful" else "bold red")
     return table

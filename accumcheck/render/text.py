@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..report import KIND_ORDER, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
-from ..report.single import factor_text
+from ..report.single import FullBatchResult, factor_text
 
 
 def num(x: float | None) -> str:
@@ -240,8 +240,10 @@ def diff_extra_lines(diff: ReportDiff) -> list[str]:
             + ([f"only in B: {', '.join(diff.only_b)}"] if diff.only_b else []))
 
 
-def one_line(report: Report | CrossReport | SweepReport) -> str:
+def one_line(report: Report | CrossReport | SweepReport | StackReport) -> str:
     """The summary line of any comparison report kind."""
+    if isinstance(report, StackReport):
+        return report.summary()
     if isinstance(report, SweepReport):
         return sweep_summary(report)
     if isinstance(report, CrossReport):
@@ -249,7 +251,7 @@ def one_line(report: Report | CrossReport | SweepReport) -> str:
     return summary_line(report)
 
 
-STACK_COLUMNS = ("step", "micro-batches", "items", "verdict", "factor", "max rel diff", "what the step applied")
+STACK_COLUMNS = ("step", "micro-batches", "items", "verdict", "factor", "max rel diff", "why")
 
 
 def stack_header_lines(report: StackReport) -> list[str]:
@@ -270,6 +272,13 @@ def stack_rows(report: StackReport) -> list[list[str]]:
         factor = "-" if r.equivalent or r.factor is None else (
             f"{factor_text(r.factor)}" + (f" ({r.matches})" if r.matches else "") if r.constant else
             f"{factor_text(r.factor_min)}..{factor_text(r.factor_max)}")
-        what = "the window's gradient" if r.equivalent else r.explanation
-        rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), what])
+        rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), _cause(r)])
     return rows
+
+
+def _cause(result: FullBatchResult) -> str:
+    """The cause an explanation ends on, without its figures: its sentences read "what: matches
+    what (figures): cause" and "not a constant factor: factors (worst): cause, as ...; ..."."""
+    if result.equivalent:
+        return "the window's gradient"
+    return result.explanation.split(": ", 2)[-1].split(";")[0].split(", as ")[0]
