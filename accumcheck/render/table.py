@@ -153,18 +153,19 @@ def stack_table(report: StackReport) -> Table:
     for title in STACK_COLUMNS:
         table.add_column(title, justify="right" if title in ("step", "factor", "max rel diff") else "left",
                          overflow="fold", no_wrap=title != "why")
-    for row in stack_rows(report):
-        table.add_row(*row, style="" if row[3] == "faithful" else "bold red")
+    for row in stack_rows(report):  # Text: a model's name or a note may hold [brackets], not markup
+        table.add_row(*map(Text, row), style="" if row[3] == "faithful" else "bold red")
     return table
 
 
 def render_stack(report: StackReport, console: Console) -> None:
     for line in stack_header_lines(report):
-        console.print(line, soft_wrap=True)
+        console.print(line, soft_wrap=True, markup=False)
     console.print(stack_table(report))
-    console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True)
+    console.print(report.summary(), style="bold red" if report.exit_code else "bold green", soft_wrap=True,
+                  markup=False)
     if report.reproduce:
-        console.print(f"reproduce: {report.reproduce}", soft_wrap=True)
+        console.print(f"reproduce: {report.reproduce}", soft_wrap=True, markup=False)
 
 
 def render_diff(diff: ReportDiff, console: Console) -> None:

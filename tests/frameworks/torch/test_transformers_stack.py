@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from zoo import tiny_llama  # noqa: E402
+
 from accumcheck.errors import AccumcheckError  # noqa: E402
 from accumcheck.integrations.transformers import check  # noqa: E402
-
-from zoo import tiny_llama  # noqa: E402
 
 N = 4
 
@@ -171,3 +171,22 @@ def test_bad_input_is_one_line(tmp_path, bad, message):
     with pytest.raises(AccumcheckError, match=message) as caught:
         check(bad, steps=1) if not isinstance(bad, int) else check(trainer, steps=bad)
     assert "\n" not in str(caught.value)
+
+
+def test_an_optimizer_and_scheduler_the_user_gave_are_put_back(tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**collate(examples(2)), ).loss.backward()
+    optimizer.step()  # state of its own before the check: a 0-dim step and float32 moments
+    optimizer.zero_grad(set_to_none=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=N, report_to="none",
+        logging_strategy="no", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0),
+        train_dataset=examples(), data_collator=collate, optimizers=(optimizer, scheduler))
+    report = check(trainer, steps=2)
+    assert [s.verdict for s in report.steps] == ["faithful"] * 2
+    assert all(torch.equal(state[p][k], v) and v.dtype == state[p][k].dtype
+               for p, s in optimizer.state.items() for k, v in s.items())
+    assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-3

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
@@ -36,8 +35,8 @@ from ....errors import AccumcheckError
 from ....judge.stack import stack_report
 from ....options import stack_command
 from ....report import StackReport
-from ..userbatch import IGNORE_INDEX, micro_loss
-from .cases import FAULTS, CaseLM, case_batches
+from ..userbatch import micro_loss
+from .cases import FAULTS, CaseLM, case_batches, window_items
 from .recorder import Float64Run, StackRecorder, float64_leaves
 
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
@@ -94,7 +93,6 @@ class AccumulationCheck:
         self.run.__enter__()
         self._inside = True
         try:
-            run_optimizer_state(self.run)
             for name in _CLIPS:
                 setattr(accelerator, name, _captured_first(getattr(accelerator, name), accelerator, self.recorder))
             self.recorder.watch(self.optimizer)
@@ -169,19 +167,6 @@ class AccumulationCheck:
                                       f"optimizer, steps={self.steps})")
 
 
-def run_optimizer_state(run: Float64Run) -> None:
-    """Two things Float64Run's optimizer state for the run still needs: a ``defaultdict(dict)``
-    as torch's own (it hands a plain-keyed one, so an optimizer without state yet fails on its
-    first step), and 0-dim tensors of its own (it hands the caller's, such as Adam's ``step``,
-    which the run's steps would count up in place)."""
-    for optimizer in run.optimizers:
-        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-        for param, values in optimizer.state.items():
-            state[param] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-                            for k, v in values.items()}
-        optimizer.state = state
-
-
 def _captured_first(clip: Any, accelerator: Any, recorder: StackRecorder) -> Any:
     def clip_gradients(*args: Any, **kwargs: Any) -> Any:
         if accelerator.sync_gradients:
@@ -227,10 +212,3 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
     report.model = f"{case.name} (built-in case)"
     report.reproduce = stack_command("accelerate", case.name, accum_steps, batches, fault)
     return report
-
-
-def window_items(micro_batches: list[dict[str, torch.Tensor]], accum_steps: int) -> list[int]:
-    """For each micro-batch, the labelled tokens of its window (N consecutive micro-batches, the
-    last window what is left): what a loop normalising by the window's tokens divides by."""
-    counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
-    return [sum(counts[i - i % accum_steps:i - i % accum_steps + accum_steps]) for i in range(len(counts))]

@@ -63,3 +63,10 @@ def case_examples(case: Case, count: int) -> list[dict[str, torch.Tensor]]:
     """The same micro-batches as one example (row) each, for a stack that collates them itself."""
     return [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in case_batches(case, count)
             for i in range(b["input_ids"].shape[0])]
+
+
+def window_items(micro_batches: list[dict[str, torch.Tensor]], accum_steps: int) -> list[int]:
+    """For each micro-batch, the labelled tokens of its window (N consecutive micro-batches, the
+    last window what is left): what a loop normalising by the window's tokens divides by."""
+    counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
+    return [sum(counts[i - i % accum_steps:i - i % accum_steps + accum_steps]) for i in range(len(counts))]

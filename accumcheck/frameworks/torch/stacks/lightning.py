@@ -31,8 +31,7 @@ from ....errors import AccumcheckError
 from ....judge.stack import stack_report
 from ....options import stack_command
 from ....report import StackReport
-from .accelerate import run_optimizer_state, window_items
-from .cases import FAULTS, CaseLM, case_batches
+from .cases import FAULTS, CaseLM, case_batches, window_items
 from .recorder import Float64Run, StackRecorder, float64_leaves
 
 
@@ -66,7 +65,6 @@ class AccumulationCheck(pl.Callback):
         self._report = None
         self._run = Float64Run(pl_module, tuple(trainer.optimizers))
         self._run.__enter__()
-        run_optimizer_state(self._run)
         self._strategy = trainer.strategy
         transfer = trainer.strategy.batch_to_device
         trainer.strategy.batch_to_device = lambda *args, **kwargs: float64_leaves(transfer(*args, **kwargs))

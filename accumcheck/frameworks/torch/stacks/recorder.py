@@ -11,6 +11,7 @@ stack does not hide anything here (precision is what ``accumcheck check`` looks 
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -78,11 +79,10 @@ class Float64Run:
             for m, name, b in self._buffers:
                 if b.is_floating_point():
                     m._buffers[name] = b.to(torch.float64)
-            for o in self.optimizers:  # state the optimizer already has, in float64 for the run
-                fresh = type(o.state)() if isinstance(o.state, dict) else {}
+            for o in self.optimizers:  # state the optimizer already has, as copies: float64 for the run
+                fresh: defaultdict[Any, dict[str, Any]] = defaultdict(dict)  # as torch's own: new params get {}
                 for p, s in o.state.items():
-                    fresh[p] = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                                and v.dim() > 0 else v for k, v in s.items()}
+                    fresh[p] = {k: _run_copy(v) for k, v in s.items()}
                 o.state = fresh
         self._hook = model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
         return self
@@ -126,6 +126,14 @@ class Float64Run:
         return saved
 
 
+def _run_copy(value: Any) -> Any:
+    """An optimizer state value for the run: a copy (a 0-dim ``step`` too, which the run's steps
+    would otherwise count up in place), floating tensors of parameter shape in float64."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(torch.float64) if value.is_floating_point() and value.dim() > 0 else value.clone()
+
+
 def _inputs_in_float64(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return float64_leaves(args), float64_leaves(kwargs)
 
@@ -157,7 +165,9 @@ class StackRecorder:
         self.seen += 1
 
     def watch(self, optimizer: Any) -> None:
-        """Capture at ``optimizer``'s real steps (a wrapper's skipped steps do not count)."""
+        """Capture at ``optimizer``'s real steps (a wrapper's skipped steps do not count). Not for
+        a stack that runs the last backward inside ``step(closure)`` (Lightning): the hook fires
+        before that gradient exists."""
         inner = innermost_optimizer(optimizer)
         self._hooks.append(inner.register_step_pre_hook(lambda *_: self.capture()))
 

@@ -14,6 +14,7 @@ back afterwards, so the check leaves no trace of the steps it ran.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import math
@@ -52,6 +53,7 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
     recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch))
     callback = _callback(transformers, recorder, steps)
     saved = {name: getattr(trainer, name, None) for name in ("optimizer", "lr_scheduler", "state", "control")}
+    schedule = None if trainer.lr_scheduler is None else copy.deepcopy(trainer.lr_scheduler.state_dict())
     clip = trainer.accelerator.clip_grad_norm_
     run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else ())
     trainer.add_callback(callback)
@@ -69,6 +71,8 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
         trainer.remove_callback(callback)
         for name, value in saved.items():
             setattr(trainer, name, value)
+        if schedule is not None:  # a scheduler the user gave the Trainer counted the run's steps
+            trainer.lr_scheduler.load_state_dict(schedule)
     args = trainer.args
     expected = None
     if steps is None and args.max_steps <= 0:  # the whole configured run: every batch of every epoch
