@@ -364,10 +364,17 @@ def stack_figures() -> dict[str, str]:
         args = ["stack", "--stack", stack, "--accum-steps", "4"] + (["--fault", fault] if fault else [])
         _, out = cli(*args)
         figures[f"stack.{stack}.{fault or 'correct'}"] = console("accumcheck " + " ".join(args), out)
-    for name in ("accelerate", "lightning", "gluon"):
-        figures[f"stack.example.{name}"] = console(f"python examples/stack_{name}.py",
-                                                   example(f"examples/stack_{name}.py"))
+    for name, flags in (("accelerate", []), ("lightning", ["--short-last-window"]), ("gluon", [])):
+        path = f"examples/stack_{name}.py"
+        figures[f"stack.example.{name}"] = console(" ".join(["python", path, *flags]), example(path, *flags))
+        figures[f"stack.code.{name}"] = source(path)
+    figures["stack.code.trainer"] = source("examples/trainer_variable_length.py")
     return figures
+
+
+def source(path: str) -> str:
+    """A complete example, as the file holds it."""
+    return "\n```python\n" + (ROOT / path).read_text().rstrip("\n") + "\n```\n"
 
 
 @group("trainer-releases", needs="transformers")
@@ -382,9 +389,9 @@ def trainer_release_figures() -> dict[str, str]:
                                                   example("examples/trainer_variable_length.py"))}
 
 
-def example(path: str) -> str:
+def example(path: str, *flags: str) -> str:
     """What an example script prints (it exits 1 when it shows a flagged run)."""
-    result = subprocess.run([sys.executable, path], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    result = subprocess.run([sys.executable, path, *flags], capture_output=True, text=True, cwd=ROOT, timeout=900)
     if result.returncode not in (0, 1):
         raise RuntimeError(f"python {path} failed:\n{result.stderr}")
     return result.stdout

@@ -43,6 +43,7 @@ from ...casefile import resolve_case
 from ...cases import IGNORE_LABEL
 from ...errors import AccumcheckError
 from ...judge.stack import stack_report
+from ...options import stack_command
 from ...report import StackReport
 from .blockstate import clear_cached_ops, layers_for_check, unique_params
 from .library import mx
@@ -347,7 +348,7 @@ def case_loss_fn(case: Any) -> Callable[[Any, Any], Any]:
 
 def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
     """A built-in case (or a Case, or a case file) through a plain Gluon loop under
-    AccumulationCheck: ``batches`` micro-batches (default 2N + 1, so the last window is short and
+    AccumulationCheck: ``batches`` micro-batches (default 2N + 2, so the last window is short and
     stepped with ``trainer.step(k * b)``), ``grad_req='add'``, sgd. ``fault``: None,
     "step-per-micro-batch" (``trainer.step(b)`` instead of ``N * b``) or "loss-over-n" (the
     loss divided by N as well). Returns the StackReport; raises AccumcheckError for bad input."""
@@ -356,7 +357,7 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
     n = accum_steps
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise AccumcheckError(f"run_case: accum_steps must be a whole number >= 1, got {n!r}")
-    total = 2 * n + 1 if batches is None else batches
+    total = 2 * n + 2 if batches is None else batches
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise AccumcheckError(f"run_case: batches must be a whole number >= 1, got {batches!r}")
     case = resolve_case(case)
@@ -384,5 +385,7 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
             if (i + 1) % n == 0 or i == total - 1:
                 trainer.step(b if fault == "step-per-micro-batch" else (i % n + 1) * b)
                 net.collect_params().zero_grad()
-    call = f"run_case({case.name!r}, {n}, {total}" + (f", fault={fault!r})" if fault else ")")
-    return check._build_report(case.name, reproduce=f"accumcheck.integrations.gluon.{call}")
+    report = check._build_report(f"{case.name} (built-in case)", reproduce=stack_command("gluon", case.name, n, batches,
+                                                                                           fault))
+    report.micro_batches_expected = total
+    return report

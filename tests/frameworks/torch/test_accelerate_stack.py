@@ -255,7 +255,7 @@ def test_a_reference_loss_that_is_not_a_loss_is_a_one_line_error():
                                                      ("loss-over-n", "constant-factor", "1/N")])
 def test_run_case_runs_a_built_in_case_and_its_faults(fault, verdict, matches):
     report = run_case("padded-tokens", N, fault=fault)
-    assert report.counts_text() == "3 optimizer steps checked, 10 micro-batches seen"
+    assert report.counts_text() == "3 optimizer steps checked, 10 micro-batches seen of the 10 the data holds"
     assert verdicts(report) == [verdict] * 3 and [s.result.matches for s in report.steps] == [matches] * 3
     assert report.reproduce.startswith("accumcheck stack --stack accelerate --case padded-tokens")
 

@@ -231,7 +231,7 @@ def test_bad_input_is_one_line_errors():
                                                      ("loss-over-n", "constant-factor", "1/N")])
 def test_run_case_runs_a_built_in_case_and_its_faults(fault, verdict, matches):
     report = run_case("padded-tokens", N, fault=fault)
-    assert report.counts_text() == "3 optimizer steps checked, 10 micro-batches seen"
+    assert report.counts_text() == "3 optimizer steps checked, 10 micro-batches seen of the 10 the data holds"
     assert verdicts(report) == [verdict] * 3 and [s.result.matches for s in report.steps] == [matches] * 3
     assert report.model == "padded-tokens (built-in case)"
 

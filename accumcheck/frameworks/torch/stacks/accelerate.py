@@ -211,4 +211,5 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
     report = check.report
     report.model = f"{case.name} (built-in case)"
     report.reproduce = stack_command("accelerate", case.name, accum_steps, batches, fault)
+    report.micro_batches_expected = count
     return report
