@@ -366,7 +366,9 @@ def stack_figures() -> dict[str, str]:
         figures[f"stack.{stack}.{fault or 'correct'}"] = console("accumcheck " + " ".join(args), out)
     for name, flags in (("accelerate", []), ("lightning", ["--short-last-window"]), ("gluon", [])):
         path = f"examples/stack_{name}.py"
-        figures[f"stack.example.{name}"] = console(" ".join(["python", path, *flags]), example(path, *flags))
+        out = example(path, *flags)
+        figures[f"stack.example.{name}"] = console(" ".join(["python", path, *flags]), out)
+        figures[f"stack.example.{name}.summary"] = f"`{summary_of(out)}`"
         figures[f"stack.code.{name}"] = source(path)
     figures["stack.code.trainer"] = source("examples/trainer_variable_length.py")
     return figures
@@ -384,9 +386,16 @@ def trainer_release_figures() -> dict[str, str]:
     from importlib.metadata import version
 
     release = version("transformers")
+    out = example("examples/trainer_variable_length.py")
+    summary = summary_of(out)
     return {f"trainer.{release}.console": console(f"pip install transformers=={release} && python "
-                                                  "examples/trainer_variable_length.py",
-                                                  example("examples/trainer_variable_length.py"))}
+                                                  "examples/trainer_variable_length.py", out),
+            f"trainer.{release}.summary": f"`{summary}`"}
+
+
+def summary_of(out: str) -> str:
+    """A stack report's summary line."""
+    return next(line for line in out.splitlines() if line.startswith(("FAITHFUL", "FLAGGED", "DROPPED")))
 
 
 def example(path: str, *flags: str) -> str:

@@ -52,7 +52,6 @@ def trainer_for(tmp_path, model=None, data=None, kind=None, **overrides):
     args.update(overrides)
     trainer = (kind or transformers.Trainer)(model=model or tiny_llama(), args=transformers.TrainingArguments(**args),
                                              train_dataset=examples() if data is None else data, data_collator=collate)
-    trainer.remove_callback(transformers.PrinterCallback)
     return trainer
 
 

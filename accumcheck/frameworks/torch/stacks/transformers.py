@@ -56,6 +56,9 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
     schedule = None if trainer.lr_scheduler is None else copy.deepcopy(trainer.lr_scheduler.state_dict())
     clip = trainer.accelerator.clip_grad_norm_
     run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else ())
+    callbacks = list(trainer.callback_handler.callbacks)
+    # The check's steps are no training of yours: not printed, not sent to TensorBoard, W&B, ...
+    trainer.callback_handler.callbacks = [c for c in callbacks if not _reports(transformers, c)]
     trainer.add_callback(callback)
     try:
         with run:
@@ -68,7 +71,7 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
     finally:
         trainer.__dict__.pop("training_step", None)
         trainer.accelerator.__dict__.pop("clip_grad_norm_", None)
-        trainer.remove_callback(callback)
+        trainer.callback_handler.callbacks = callbacks
         for name, value in saved.items():
             setattr(trainer, name, value)
         if schedule is not None:  # a scheduler the user gave the Trainer counted the run's steps
@@ -80,8 +83,8 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
     notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
              f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
              f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference",
-             f"dropout off ({run.dropouts} rates set to 0); the model, optimizer, scheduler, Trainer state and "
-             "random states were put back after the run"]
+             f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
+             "optimizer, scheduler, Trainer state and random states were put back after it"]
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
                         reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
@@ -104,7 +107,6 @@ def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: st
             use_cpu=True, disable_tqdm=True, seed=case.seed)
         kind = _loss_over_n(transformers.Trainer) if fault == "loss-over-n" else transformers.Trainer
         trainer = kind(model=model, args=args, train_dataset=case_examples(case, count))
-        trainer.remove_callback(transformers.PrinterCallback)  # the Trainer's own log lines
         report = check(trainer)
     report.model = f"{case.name} (built-in case)"
     report.reproduce = stack_command("transformers", case.name, accum_steps, batches, fault)
@@ -119,6 +121,12 @@ def _loss_over_n(base: type) -> type:
             return super().compute_loss(model, inputs, *args, **kwargs) / self.args.gradient_accumulation_steps
 
     return LossOverN
+
+
+def _reports(transformers: Any, callback: Any) -> bool:
+    """A callback that prints or reports the run (progress bars, logs, experiment trackers)."""
+    return isinstance(callback, (transformers.PrinterCallback, transformers.ProgressCallback)) or \
+        type(callback).__module__.startswith("transformers.integrations")
 
 
 def _window_loss(trainer: Any, model: Any, batch: Any) -> Any:
