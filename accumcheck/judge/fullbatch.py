@@ -90,6 +90,7 @@ def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.nd
     the tensor where it is."""
     top = max((float(np.max(np.abs(f), initial=0.0)) for f in full.values()), default=0.0) or 1.0
     gaps = {name: float(np.max(np.abs(accumulated[name] - f), initial=0.0)) / top for name, f in full.items()}
+    gaps = {name: gap if not math.isnan(gap) else math.inf for name, gap in gaps.items()}  # nan: no agreement
     worst = max(gaps, key=gaps.get, default="")
     return gaps.get(worst, 0.0), worst
 

@@ -395,3 +395,10 @@ def test_labels_counted_before_a_causal_shift_are_predicted_over_labelled():
     names = [c.name for c in factor_candidates(4, 1, [13, 18, 9, 25], None, [13, 18, 9, 25])]
     assert "predicted/labelled" not in names  # nothing shifted: no such candidate
     assert "predicted/labelled" not in [c.name for c in factor_candidates(4, 1, [13, 18, 9, 25], None, [0, 0, 0, 0])]
+
+
+def test_a_nan_in_one_tensor_is_never_equivalent_whatever_the_others_say():
+    broken = {**FULL, "fc.bias": np.full(3, np.nan)}
+    result = verdict(broken)
+    assert not result.equivalent and result.max_relative_difference == float("inf")
+    assert result.worst_tensor == "fc.bias" and "not finite" in result.explanation

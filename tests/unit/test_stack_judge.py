@@ -1,0 +1,109 @@
+"""A training stack's steps judged (accumcheck.judge.stack) and reported (StackReport), from
+plain arrays: each verdict, the counts a run owes the user, and the lines that say them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from accumcheck.backend import StackWindow
+from accumcheck.judge.fullbatch import SEMANTIC_TOLERANCE
+from accumcheck.judge.stack import judge_window, stack_report
+from accumcheck.render import render
+from accumcheck.report import load_report, report_from_data
+
+RNG = np.random.default_rng(3)
+F = {"embed.weight": RNG.standard_normal((6, 4)), "head.weight": RNG.standard_normal((4, 4)),
+     "head.bias": RNG.standard_normal(4)}
+
+
+def window(step, micro_batches, applied, counts=None):
+    return StackWindow(step, list(micro_batches), applied, F, counts)
+
+
+def times(c):
+    return {name: c * f for name, f in F.items()}
+
+
+def test_each_verdict_of_a_step():
+    noise = {name: f * (1 + 1e-15 * RNG.standard_normal(f.shape)) for name, f in F.items()}
+    assert judge_window(window(0, range(4), noise), 4).verdict == "faithful"
+    assert judge_window(window(0, range(4), times(0.25)), 4).verdict == "constant-factor"
+    weighted = {name: f * (1 + 0.1 * RNG.standard_normal(f.shape)) for name, f in F.items()}
+    assert judge_window(window(0, range(4), weighted), 4).verdict == "mismatch"
+    broken = {**F, "head.bias": np.full(4, np.nan)}
+    assert judge_window(window(0, range(4), broken), 4).verdict == "non-finite"
+
+
+def test_a_difference_just_past_the_tolerance_is_not_faithful():
+    top = max(float(np.abs(f).max()) for f in F.values())
+    nudged = {**F, "head.bias": F["head.bias"] + np.array([3 * SEMANTIC_TOLERANCE * top, 0, 0, 0])}
+    assert judge_window(window(0, range(4), nudged), 4).verdict != "faithful"
+    inside = {**F, "head.bias": F["head.bias"] + np.array([0.5 * SEMANTIC_TOLERANCE * top, 0, 0, 0])}
+    assert judge_window(window(0, range(4), inside), 4).verdict == "faithful"
+
+
+def test_a_short_window_is_judged_with_its_own_k():
+    step = judge_window(window(2, [8, 9], times(0.5)), 4)
+    assert step.result.matches == "k/N" and step.window_text == "8-9"
+    assert judge_window(window(2, [8, 9], times(0.5)), 2).result.matches == "1/N"
+
+
+def test_window_text_names_runs_and_gaps():
+    assert judge_window(window(0, [5], F), 4).window_text == "5"
+    assert judge_window(window(0, [0, 2, 3], F), 4).window_text == "0, 2, 3"
+
+
+def report(windows, seen, expected=None):
+    return stack_report("transformers", "Tiny", 4, windows, seen, {"transformers": "x"}, ["a note [with brackets]"],
+                        "check(trainer)", micro_batches_expected=expected)
+
+
+def test_a_faithful_run_exits_0_and_counts_what_it_checked():
+    r = report([window(0, range(4), F), window(1, range(4, 8), F)], 8, 8)
+    assert r.exit_code == 0 and r.unstepped == [] and r.never_ran == 0
+    assert r.summary() == ("FAITHFUL: every optimizer step applied the gradient of its window as one batch "
+                           "(2 optimizer steps checked, 8 micro-batches seen of the 8 the data holds)")
+    assert report([window(0, [0], F)], 1).counts_text() == "1 optimizer step checked, 1 micro-batch seen"
+
+
+def test_micro_batches_that_never_reach_a_step_fail_the_run():
+    r = report([window(0, range(4), F)], 6)
+    assert r.unstepped == [4, 5] and r.exit_code == 1
+    assert r.summary().startswith("DROPPED BATCHES: 2 micro-batches (4, 5) never reached an optimizer step")
+
+
+def test_micro_batches_the_stack_never_ran_fail_the_run():
+    r = report([window(0, range(4), F), window(1, range(4, 8), F)], 8, 10)
+    assert r.never_ran == 2 and r.exit_code == 1
+    assert "2 of the data's 10 micro-batches never ran" in r.summary()
+    assert report([window(0, range(4), F)], 4, 4).never_ran == 0
+
+
+def test_the_first_flagged_step_leads_the_summary():
+    r = report([window(0, range(4), F), window(1, range(4, 8), times(4.0))], 8)
+    assert [s.verdict for s in r.steps] == ["faithful", "constant-factor"] and r.exit_code == 1
+    assert r.summary().startswith("FLAGGED: 1 of 2 optimizer steps; step 1 (micro-batches 4-7): accumulated = "
+                                  "4.00 x full batch")
+
+
+@pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
+def test_every_format_draws_it_and_json_reads_back(fmt, tmp_path):
+    r = report([window(0, range(4), F), window(1, range(4, 8), times(0.25))], 9)
+    text = render(r, fmt)
+    if fmt == "json":
+        back = report_from_data(json.loads(text))
+        assert back == r and back.exit_code == 1
+        (tmp_path / "r.json").write_text(text)
+        assert load_report(tmp_path / "r.json").steps[1].result.matches == "1/N"
+    else:
+        assert "a note [with brackets]" in text and "0.250 (1/N)" in text
+        assert "never stepped on: 1" in text
+
+
+def test_an_empty_stack_report_is_refused():
+    empty = report([], 0).to_dict()
+    with pytest.raises(Exception, match="no optimizer steps and no micro-batches"):
+        report_from_data(empty)
