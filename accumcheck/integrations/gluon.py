@@ -15,30 +15,9 @@ MXNet, using a name does (a missing MXNet is one AccumcheckError saying how to i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from . import lazy_face
 
-from ..errors import AccumcheckError
-
-_NAMES = ("AccumulationCheck", "run_case")  # defined in _HOME, loaded when first used (PEP 562)
+_NAMES = ("AccumulationCheck", "run_case")  # defined in accumcheck.frameworks.mxnet.stack, loaded when first used
 __all__ = [*_NAMES]
-_HOME = "accumcheck.frameworks.mxnet.stack"
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_HOME)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").startswith("accumcheck"):
-            raise
-        raise AccumcheckError(f"accumcheck.integrations.gluon needs MXNet ({exc.name} is not installed); "
-                              "pip install 'accumcheck[mxnet]'") from None
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_face(__name__, "accumcheck.frameworks.mxnet.stack", _NAMES, needs=(),
+                                 what="MXNet", install="pip install 'accumcheck[mxnet]'")

@@ -16,32 +16,9 @@ install it).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from . import lazy_face
 
-from ..errors import AccumcheckError
-
-_NAMES = ("AccumulationCheck", "run_case")  # defined in _HOME, loaded when first used (PEP 562)
+_NAMES = ("AccumulationCheck", "run_case")  # defined in accumcheck.frameworks.torch.stacks.lightning, loaded when first used
 __all__ = [*_NAMES]
-_HOME = "accumcheck.frameworks.torch.stacks.lightning"
-_STACK = "lightning"
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_HOME)
-        importlib.import_module(_STACK)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").startswith("accumcheck"):
-            raise
-        raise AccumcheckError(f"accumcheck.integrations.{_STACK} needs {_STACK} and PyTorch ({exc.name} is not "
-                              f"installed); install them with pip install 'accumcheck[{_STACK}]'") from None
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_face(__name__, "accumcheck.frameworks.torch.stacks.lightning", _NAMES, needs=("lightning",),
+                                 what="lightning and PyTorch", install="pip install 'accumcheck[lightning]'")

@@ -15,30 +15,10 @@ saying how to install it).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from . import lazy_face
 
-from ..errors import AccumcheckError
-
-_NAMES = ("check", "run_case")
+_NAMES = ("check", "run_case")  # defined in accumcheck.frameworks.torch.stacks.transformers, loaded when first used
 __all__ = [*_NAMES]
-_HOME = "accumcheck.frameworks.torch.stacks.transformers"
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_HOME)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").startswith("accumcheck"):
-            raise
-        raise AccumcheckError(f"accumcheck.integrations.transformers needs PyTorch ({exc.name} is not installed); "
-                              "pip install 'accumcheck[transformers]'") from None
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_face(__name__, "accumcheck.frameworks.torch.stacks.transformers", _NAMES,
+                                 needs=("transformers", "accelerate"), what="transformers, accelerate and PyTorch",
+                                 install="pip install 'accumcheck[transformers]'")

@@ -189,3 +189,15 @@ def test_an_optimizer_and_scheduler_the_user_gave_are_put_back(tmp_path):
     assert all(torch.equal(state[p][k], v) and v.dtype == state[p][k].dtype
                for p, s in optimizer.state.items() for k, v in s.items())
     assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_missing_transformers_is_one_actionable_error(monkeypatch):
+    import sys
+
+    import accumcheck.integrations.transformers as face
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(face.__dict__, "check", raising=False)  # a name the face loaded already
+    with pytest.raises(AccumcheckError, match=r"needs transformers, accelerate and PyTorch \(transformers is not "
+                                              r"installed\); install them with pip install 'accumcheck\[transformers\]'"):
+        face.check

@@ -153,3 +153,36 @@ def token_batches(n: int, batch: int = 2, length: int = 12, vocab: int = 64, see
         mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
         out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, dropout, linear head; its loss is the token mean over the labelled positions of
+    the batch it is given, or the token sum over ``num_items_in_batch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(11, 6)
+        self.drop = torch.nn.Dropout(0.2)
+        self.head = torch.nn.Linear(6, 11)
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.head(self.drop(self.emb(input_ids)))
+        out = {"logits": logits}
+        if labels is not None:
+            total = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, reduction="sum")
+            out["loss"] = total / (num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum())
+        return out
+
+
+def lm_batches(count, variable=False):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 11, (2, 8), generator=gen)
+        labels = ids.clone()
+        if variable:
+            lengths = torch.randint(2, 9, (2, 1), generator=gen)
+            labels[torch.arange(8) >= lengths] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
