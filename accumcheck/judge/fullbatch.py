@@ -126,12 +126,11 @@ def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[i
     its shift, which drops each sequence's first label), where they differ from ``item_counts``."""
     n, w, k = accum_steps, world_size, micro_batches
     ns = f"N = {n}"
-    found = []
-    if k is not None and k != n:  # a short window: its loss divided by N, not by the k it holds
-        short = f"k = {k} micro-batches in a window of N = {n}"
-        found += [Candidate("k/N", k / n, short,
-                            "the short window's losses are divided by N, not by the k micro-batches it holds"),
-                  Candidate("k", k, short, "the short window's micro-batch losses are summed without dividing by k")]
+    short = f"k = {k} micro-batches in a window of N = {n}"  # a window shorter than N, the run's last
+    found = [Candidate("k/N", k / n, short, "the short window's losses are divided by N, not by the k micro-batches "
+                       "it holds"),
+             Candidate("k", k, short, "the short window's micro-batch losses are summed without dividing by k")
+             ] if k is not None and k != n else []
     found += [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
               Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
               Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),
@@ -156,11 +155,12 @@ def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[i
                   Candidate("T/N", total / n, f"T = {total} items, N = {n}", "each micro-batch's loss sums over its "
                             "items and the accumulated sum is divided by N, where the full batch averages over the "
                             "items")]
-    predicted = sum(predicted_counts or ())
-    if total > 0 and predicted > 0 and predicted != total:
-        found.append(Candidate("predicted/labelled", predicted / total, f"{predicted} predicted of {total} labelled "
-                               "tokens", "the loss is divided by the labelled tokens counted before the causal "
-                               "shift, which leaves each sequence's first label out of the loss (transformers#46204)"))
+        predicted = sum(predicted_counts or ())
+        if predicted > 0:  # equal to the total: a factor of 1, left out below
+            found.append(Candidate("predicted/labelled", predicted / total, f"{predicted} predicted of {total} "
+                                   "labelled tokens", "the loss is divided by the labelled tokens counted before the "
+                                   "causal shift, which leaves each sequence's first label out of the loss "
+                                   "(transformers#46204)"))
     if total > 0 and min(item_counts) > 0:
         found.append(Candidate("largest/smallest items", max(item_counts) / min(item_counts),
                                f"items per micro-batch {min(item_counts)} to {max(item_counts)}",

@@ -402,3 +402,20 @@ def test_a_nan_in_one_tensor_is_never_equivalent_whatever_the_others_say():
     result = verdict(broken)
     assert not result.equivalent and result.max_relative_difference == float("inf")
     assert result.worst_tensor == "fc.bias" and "not finite" in result.explanation
+
+
+def test_a_short_window_summed_is_named_with_its_cause_in_full():
+    assert window_verdict(2.0, micro_batches=2).explanation == (
+        "accumulated = 2.00 x full batch on all 3 tensors (spread 0): matches k (k = 2 micro-batches in a window of "
+        "N = 4): the short window's micro-batch losses are summed without dividing by k")
+    assert [c.name for c in factor_candidates(4)] == ["N", "1/N", "N^2", "1/N^2"]  # no window told: no k
+
+
+def test_the_causal_shift_is_named_with_its_cause_in_full_and_needs_a_predicted_label():
+    result = window_verdict(0.4, micro_batches=4, item_counts=[2, 2, 1, 0], predicted_counts=[1, 1, 0, 0])
+    assert result.matches == "predicted/labelled" and result.explanation == (
+        "accumulated = 0.400 x full batch on all 3 tensors (spread 2.8e-16): matches predicted/labelled (2 predicted of 5 "
+        "labelled tokens): the loss is divided by the labelled tokens counted before the causal shift, which leaves "
+        "each sequence's first label out of the loss (transformers#46204)")
+    assert "predicted/labelled" not in [c.name for c in factor_candidates(4, 1, [2, 1], None, [0, 0])]
+    assert "predicted/labelled" in [c.name for c in factor_candidates(4, 1, [2, 1], None, [1, 0])]

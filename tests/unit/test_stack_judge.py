@@ -107,3 +107,16 @@ def test_an_empty_stack_report_is_refused():
     empty = report([], 0).to_dict()
     with pytest.raises(Exception, match="no optimizer steps and no micro-batches"):
         report_from_data(empty)
+
+
+def test_a_step_carries_its_window_s_counts_and_what_it_was_compared_with():
+    step = judge_window(StackWindow(0, [0, 1], times(57 / 65), F, [30, 35], [28, 29]), 2)
+    assert step.result.item_counts == [30, 35] and step.result.matches == "predicted/labelled"
+    assert step.result.normalisation == "the window as one batch" and step.result.accumulated_scaled_by == "1"
+
+
+def test_a_report_keeps_its_reproduce_line_and_says_it_ran_in_float64():
+    r = report([window(0, range(4), F)], 4)
+    assert r.reproduce == "check(trainer)" and r.precision == "float64" and r.tolerance == SEMANTIC_TOLERANCE
+    bare = stack_report("gluon", "Net", 4, [window(0, range(4), F)], 4, {})
+    assert bare.reproduce == "" and bare.precision == "float64" and bare.notes == []
