@@ -237,3 +237,25 @@ def test_a_missing_accelerate_is_one_actionable_error(monkeypatch):
     monkeypatch.delitem(face.__dict__, "AccumulationCheck", raising=False)  # a name the face loaded already
     with pytest.raises(AccumcheckError, match=r"pip install 'accumcheck\[accelerate\]'"):
         face.AccumulationCheck
+
+
+def test_a_scheduler_the_loop_steps_is_put_back():
+    accelerator, model, opt, loader = setup(lm_batches(2 * N))
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    lr = opt.param_groups[0]["lr"]
+    check = AccumulationCheck(accelerator, model, opt, scheduler=scheduler)
+    with check:
+        for batch in check.batches(loader):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch)["loss"])
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+    assert verdicts(check.report) == ["faithful", "faithful"]
+    assert scheduler.scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == lr
+
+
+def test_a_scheduler_must_be_one():
+    accelerator, model, opt, _ = setup(lm_batches(1))
+    with pytest.raises(AccumcheckError, match="scheduler must be a learning-rate scheduler"):
+        AccumulationCheck(accelerator, model, opt, scheduler=0.5)

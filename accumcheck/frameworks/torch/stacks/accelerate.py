@@ -23,6 +23,7 @@ the loop raises.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import warnings
 from collections.abc import Iterable, Iterator
@@ -54,11 +55,12 @@ class AccumulationCheck:
     """The check of a user's accelerate loop. ``loss_fn(model(inputs), target)``, ``step(model,
     batch)`` or the model's own loss (``model(**batch).loss``) is the loss of the window as one
     batch, as ``accumcheck.torch.check`` reads a batch; ``steps`` stops the loop after that many
-    optimizer steps. ``report`` is the StackReport once the ``with`` block is left."""
+    optimizer steps; ``scheduler`` (the learning-rate scheduler the loop steps) is put back afterwards
+    with the rest. ``report`` is the StackReport once the ``with`` block is left."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
-                 steps: int | None = None) -> None:
+                 steps: int | None = None, scheduler: Any = None) -> None:
         accelerate = _accelerate()
         if not isinstance(accelerator, accelerate.Accelerator):
             raise AccumcheckError(f"accelerate.AccumulationCheck: expected an accelerate.Accelerator, got "
@@ -74,7 +76,10 @@ class AccumulationCheck:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise AccumcheckError(f"accelerate.AccumulationCheck: steps must be a positive integer, got {steps!r}")
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        self.loss_fn, self.step, self.steps = loss_fn, step, steps
+        if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+            raise AccumcheckError(f"accelerate.AccumulationCheck: scheduler must be a learning-rate scheduler "
+                                  f"(with state_dict), got {type(scheduler).__name__}")
+        self.loss_fn, self.step, self.steps, self.scheduler = loss_fn, step, steps, scheduler
         self.version = accelerate.__version__
         self.run = Float64Run(model, (optimizer,))  # refuses an optimizer that is not (or wraps no) torch one
         self.recorder: StackRecorder | None = None
@@ -89,6 +94,7 @@ class AccumulationCheck:
         self.accum_steps = accelerator.gradient_accumulation_steps
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None)
         self._accelerator_state = (accelerator.step, state.sync_gradients, state.dataloader_references)
+        self._schedule = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
         self._report = None
         self.run.__enter__()
         self._inside = True
@@ -113,6 +119,8 @@ class AccumulationCheck:
         finally:
             self.run.__exit__(*exc)
             accelerator.step, state.sync_gradients, state.dataloader_references = self._accelerator_state
+            if self._schedule is not None:  # the loop's scheduler counted the run's steps
+                self.scheduler.load_state_dict(self._schedule)
         self._report = self._build_report()
 
     def batches(self, dataloader: Iterable[Any]) -> Iterator[Any]:
