@@ -9,9 +9,23 @@ what is left to differ.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..backend import FullBatchGap, StackWindow
 from ..report import StackReport, StackStep
 from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
+
+# The full-batch judge's sentences call A "accumulated" and F "full batch"; a stack's step applied A,
+# and F is its window as one batch.
+STEP_WORDS = (("accumulated = full batch", "applied = the window's gradient"), ("accumulated = ", "applied = "),
+              (" x full batch ", " x the window's gradient "), ("unlike the full batch", "unlike one batch"))
+
+
+def step_words(sentence: str) -> str:
+    """A full-batch explanation said of a stack's optimizer step."""
+    for old, new in STEP_WORDS:
+        sentence = sentence.replace(old, new)
+    return sentence
 
 
 def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
@@ -20,6 +34,7 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
                        accumulated=window.applied, full=window.window, item_counts=window.item_counts,
                        predicted_counts=window.predicted_counts)
     result = full_batch_verdict(gap, accum_steps, micro_batches=len(window.micro_batches))
+    result = dataclasses.replace(result, explanation=step_words(result.explanation))
     return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result)
 
 

@@ -85,8 +85,8 @@ def test_micro_batches_the_stack_never_ran_fail_the_run():
 def test_the_first_flagged_step_leads_the_summary():
     r = report([window(0, range(4), F), window(1, range(4, 8), times(4.0))], 8)
     assert [s.verdict for s in r.steps] == ["faithful", "constant-factor"] and r.exit_code == 1
-    assert r.summary().startswith("FLAGGED: 1 of 2 optimizer steps; step 1 (micro-batches 4-7): accumulated = "
-                                  "4.00 x full batch")
+    assert r.summary().startswith("FLAGGED: 1 of 2 optimizer steps; step 1 (micro-batches 4-7): applied = "
+                                  "4.00 x the window's gradient on all 3 tensors")
 
 
 @pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
@@ -120,3 +120,14 @@ def test_a_report_keeps_its_reproduce_line_and_says_it_ran_in_float64():
     assert r.reproduce == "check(trainer)" and r.precision == "float64" and r.tolerance == SEMANTIC_TOLERANCE
     bare = stack_report("gluon", "Net", 4, [window(0, range(4), F)], 4, {})
     assert bare.reproduce == "" and bare.precision == "float64" and bare.notes == []
+
+
+def test_a_step_is_told_in_a_stack_s_words():
+    assert judge_window(window(0, range(4), F), 4).result.explanation == \
+        "equivalent: applied = the window's gradient within 1e-9"
+    assert judge_window(window(0, range(4), times(0.25)), 4).result.explanation == (
+        "applied = 0.250 x the window's gradient on all 3 tensors (spread 0): matches 1/N (N = 4): the loss is "
+        "divided by N once more than the loss normalisation needs")
+    weighted = {name: f * (1 + 0.1 * RNG.standard_normal(f.shape)) for name, f in F.items()}
+    assert "the micro-batches are weighted unlike one batch" in judge_window(window(0, range(4), weighted), 4) \
+        .result.explanation
