@@ -82,7 +82,8 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
         expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs)
     notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
              f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
-             f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference",
+             f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference; the windows' "
+             "micro-batches as the Trainer's sampler fed them",
              f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
              "optimizer, scheduler, Trainer state and random states were put back after it"]
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
