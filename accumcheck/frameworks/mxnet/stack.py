@@ -45,7 +45,7 @@ from ...errors import AccumcheckError
 from ...judge.stack import stack_report
 from ...options import stack_command
 from ...report import StackReport
-from .blockstate import clear_cached_ops, layers_for_check, unique_params
+from .blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
 from .library import mx
 from .model import build_block
 
@@ -242,16 +242,14 @@ class _LoopKept:
 
     def __enter__(self) -> None:
         self.grads = [(p, [g.copy() for g in p.list_grad()]) for p in self.params if p.grad_req != "null"]
-        self.aux = [(p, [d.copy() for d in p.list_data()]) for p in self.params if p.grad_req == "null"]
+        self.aux = AuxState({p.name: p for p in self.params if p.grad_req == "null"})
         self.fresh = [(d, d._fresh_grad) for p in self.params if p.grad_req != "null" for d in p.list_data()]
 
     def __exit__(self, *exc: object) -> None:
         for p, values in self.grads:
             for target, value in zip(p.list_grad(), values):
                 target[:] = value
-        for p, values in self.aux:
-            for target, value in zip(p.list_data(), values):
-                target[:] = value
+        self.aux.restore()
         for data, fresh in self.fresh:
             data._fresh_grad = fresh
 

@@ -24,7 +24,6 @@ the loop raises.
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
@@ -38,17 +37,9 @@ from ....options import stack_command
 from ....report import StackReport
 from ..userbatch import micro_loss
 from .cases import FAULTS, CaseLM, case_batches, window_items
-from .recorder import Float64Run, StackRecorder, float64_leaves
+from .recorder import Float64Run, StackRecorder, float64_leaves, stack_library
 
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
-
-
-def _accelerate() -> Any:
-    try:
-        return importlib.import_module("accelerate")
-    except ImportError:
-        raise AccumcheckError("the accelerate stack needs Hugging Face accelerate; install it with "
-                              "pip install 'accumcheck[accelerate]'") from None
 
 
 class AccumulationCheck:
@@ -61,7 +52,7 @@ class AccumulationCheck:
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
                  steps: int | None = None, scheduler: Any = None) -> None:
-        accelerate = _accelerate()
+        accelerate = stack_library("accelerate", "Hugging Face accelerate")
         if not isinstance(accelerator, accelerate.Accelerator):
             raise AccumcheckError(f"accelerate.AccumulationCheck: expected an accelerate.Accelerator, got "
                                   f"{type(accelerator).__name__}")
@@ -191,7 +182,7 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
     full windows and a short one). ``fault``: "micro-batch-mean" (the model ignores the window's
     token count) or "loss-over-n" (the loop divides the loss by N before ``backward``, which
     divides again). Returns the StackReport of every step."""
-    accelerate = _accelerate()
+    accelerate = stack_library("accelerate", "Hugging Face accelerate")
     if fault not in (None, *FAULTS):
         raise AccumcheckError(f"--fault {fault}: not a fault the accelerate stack runs; use one of {', '.join(FAULTS)}")
     case = resolve_case(case)

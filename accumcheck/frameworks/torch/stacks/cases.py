@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ....cases import Case
 from ....errors import AccumcheckError
 from ..model import build_model
-from ..userbatch import IGNORE_INDEX
+from ..userbatch import IGNORE_INDEX, item_count
 
 FAULTS = ("micro-batch-mean", "loss-over-n")
 
@@ -68,5 +68,5 @@ def case_examples(case: Case, count: int) -> list[dict[str, torch.Tensor]]:
 def window_items(micro_batches: list[dict[str, torch.Tensor]], accum_steps: int) -> list[int]:
     """For each micro-batch, the labelled tokens of its window (N consecutive micro-batches, the
     last window what is left): what a loop normalising by the window's tokens divides by."""
-    counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches]
+    counts = [item_count(b, False) for b in micro_batches]
     return [sum(counts[i - i % accum_steps:i - i % accum_steps + accum_steps]) for i in range(len(counts))]

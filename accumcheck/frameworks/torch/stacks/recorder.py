@@ -10,6 +10,7 @@ stack does not hide anything here (precision is what ``accumcheck check`` looks 
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections import defaultdict
 from collections.abc import Mapping
@@ -25,6 +26,16 @@ from ..model import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
 
 _DROPOUT_WORDS = ("dropout", "pdrop")
+
+
+def stack_library(name: str, what: str) -> Any:
+    """The stack's library, imported when a check first needs it; missing, one AccumcheckError
+    saying what to install (``accumcheck[name]``)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise AccumcheckError(f"the {name} stack needs {what}; install it with pip install "
+                              f"'accumcheck[{name}]'") from None
 
 
 def float64_leaves(value: Any) -> Any:

@@ -29,22 +29,14 @@ from ....report import StackReport
 from .cases import CaseLM, case_examples
 
 FAULTS = ("micro-batch-mean", "loss-over-n")
-from .recorder import Float64Run, StackRecorder
-
-
-def _transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        raise AccumcheckError("the transformers stack needs Hugging Face transformers (and accelerate); install "
-                              "them with pip install 'accumcheck[transformers]'") from None
+from .recorder import Float64Run, StackRecorder, stack_library
 
 
 def check(trainer: Any, steps: int | None = None) -> StackReport:
     """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
     for) in float64 and judge each step's gradient against its window's as one batch. Returns a
     StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on."""
-    transformers = _transformers()
+    transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if not isinstance(trainer, transformers.Trainer):
         raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -96,7 +88,7 @@ def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: st
     """A built-in case through a Hugging Face Trainer as a user would set it up (its default
     clipping, AdamW, shuffling; the model passes ``num_items_in_batch`` on), ``batches``
     micro-batches (default 2N + 2: two full windows and a short one), in one epoch."""
-    transformers = _transformers()
+    transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if fault not in (None, *FAULTS):
         raise AccumcheckError(f"--fault {fault}: not a fault the transformers stack runs; use one of {', '.join(FAULTS)}")
     model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
