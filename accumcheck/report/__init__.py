@@ -18,12 +18,12 @@ from .single import (
 )
 from .stack import STEP_VERDICTS, StackReport, StackStep
 from .sweep import SweepReport, growth_rows
-from .tensor import FLAGGED_VERDICTS, KIND_ORDER, VERDICTS, TensorResult
+from .tensor import FLAGGED_VERDICTS, KIND_ORDER, MARGINAL_RATIO, SEVERITIES, VERDICTS, Cause, TensorResult
 from .trajectory import TrajectoryReport
 from .values import SCHEMA_VERSION
 
-__all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "Agreement",
-           "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",
+__all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "MARGINAL_RATIO",
+           "SEVERITIES", "Agreement", "Cause", "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",
            "RankVerdict", "Report", "STEP_VERDICTS", "StackReport", "StackStep", "ReportDiff", "SingleProcessAgreement", "SweepReport", "TensorChange",
            "TensorResult", "TrajectoryReport", "diff_reports", "growth_rows", "load_report", "report_from_data",
            "write_atomic"]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VERDICTS = ("identical", "round-off", "precision-loss", "diverged", "non-finite", "no-gradient", "overflow")
+VERDICTS = ("identical", "round-off", "suspicious", "precision-loss", "diverged", "non-finite", "no-gradient",
+            "overflow")
+# suspicious:     inside the worst-case bound, but one mode's error lines up with a fault's pattern far
+#                 beyond what round-off does under the probabilistic model (judge.attribution); not
+#                 flagged unless asked (--fail-on suspicious)
 # precision-loss: within the round-off of its own (reduced) dtype, beyond that of the accumulation dtype
 # no-gradient:    the parameter received no gradient in any micro-step (unused in these batches)
 # overflow:       the loss-scaled micro-gradients themselves hold an inf or nan: a GradScaler skips
@@ -12,6 +16,37 @@ VERDICTS = ("identical", "round-off", "precision-loss", "diverged", "non-finite"
 FLAGGED_VERDICTS = ("precision-loss", "diverged", "non-finite")
 # Tensor kinds in the order a summary names them: embeddings and weights first.
 KIND_ORDER = ("embedding", "weight", "bias", "norm")
+# How far past the bound a flagged tensor is, in words: "marginal" within MARGINAL_RATIO times its
+# bound with no single-step explanation, "diverged" otherwise.
+SEVERITIES = ("marginal", "diverged")
+MARGINAL_RATIO = 10.0
+
+
+@dataclass
+class Cause:
+    """What a mode's difference from E is, as fitted by ``accumcheck.judge.attribution``.
+
+    kind: repeat-step (micro-step ``step`` counted ``factor`` extra times), drop-step (lost),
+    scale-step (scaled by 1 + ``factor``), scale-sum (the whole sum scaled by 1 + ``factor``),
+    running-total (the running total before micro-step ``step`` added ``factor`` more times),
+    doubling (the running total added again at every micro-step), narrow-dtype (the running
+    total kept in ``dtype``) or unexplained (none of these). ``fit`` is 1 - residual/difference
+    in the round-off-weighted least-squares sense; ``residual_ratio`` is the worst element of what
+    the explanation leaves over, against the round-off bound (<= 1: the rest is round-off)."""
+
+    kind: str
+    mode: str  # "native" or "manual"
+    words: str  # the short form for a table: "step 8 counted twice"
+    detail: str  # the sentence: "native: micro-step 8 counted twice (fit 1.000)"
+    fit: float
+    residual_ratio: float
+    step: int | None = None
+    factor: float | None = None
+    dtype: str | None = None
+
+    @property
+    def single_step(self) -> bool:
+        return self.kind in ("repeat-step", "drop-step", "scale-step", "running-total")
 
 
 @dataclass
@@ -74,6 +109,19 @@ class TensorResult:
     # micro-steps it received a gradient (None: in all of them, or not counted).
     aliases: list[str] | None = None
     steps_with_grad: int | None = None
+    # Attribution and severity (judge.attribution): what the flagged (or suspicious) mode's difference
+    # is, and for a flagged tensor how far past the bound it is in words.
+    cause: Cause | None = None
+    severity: str | None = None
+    # The statistical tier: the root-mean-square spread of round-off the probabilistic model predicts
+    # (u * sqrt(N - 1) * S per element), each mode's measured spread against E, and the largest
+    # projection score of a mode's error onto a fault's pattern (None: not examined) and the score a
+    # fault must pass to be called suspicious.
+    spread_predicted: float | None = None
+    spread_native: float | None = None
+    spread_manual: float | None = None
+    fault_score: float | None = None
+    fault_score_threshold: float | None = None
 
     @property
     def flagged(self) -> bool:
@@ -86,5 +134,8 @@ class TensorResult:
 
     @property
     def label(self) -> str:
-        """The verdict as shown: ``round-off (ill-conditioned)`` where that applies."""
-        return f"{self.verdict} (ill-conditioned)" if self.ill_conditioned else self.verdict
+        """The verdict as shown: ``round-off (ill-conditioned)``, ``diverged (marginal)`` where
+        those apply."""
+        words = [w for w in (self.severity if self.severity == "marginal" else None,
+                             "ill-conditioned" if self.ill_conditioned else None) if w]
+        return f"{self.verdict} ({', '.join(words)})" if words else self.verdict

@@ -22,7 +22,7 @@ from accumcheck.casefile import builtin_case, builtin_case_names, parse_case
 from accumcheck.cases import ACTIVATIONS
 from accumcheck.faults import Fault, FaultInjector, round_to_bfloat16
 from accumcheck.judge import compare_tensor
-from accumcheck.report import Report, TensorResult
+from accumcheck.report import SEVERITIES, Cause, Report, TensorResult
 
 F32 = np.float32
 # Any finite float32 of magnitude up to 1e30, subnormals included; 512 of them cannot overflow.
@@ -169,6 +169,7 @@ def test_a_fault_beyond_the_bound_is_flagged_on_its_tensor_only():
 # ----------------------------------------------------------------------------- round trips
 
 FINITE_OR_NOT = st.floats(allow_nan=True, allow_infinity=True)
+NO_NAN = st.floats(allow_nan=False, allow_infinity=True)  # inside a nested dataclass, compared with ==
 
 
 @st.composite
@@ -188,6 +189,13 @@ def tensor_results(draw):
             fields[f.name] = draw(st.none() | st.lists(st.text(max_size=12), max_size=3))
         elif f.name == "steps_with_grad":
             fields[f.name] = draw(st.none() | st.integers(0, 10**6))
+        elif f.name == "severity":
+            fields[f.name] = draw(st.none() | st.sampled_from(SEVERITIES))
+        elif f.name == "cause":
+            fields[f.name] = draw(st.none() | st.builds(
+                Cause, kind=st.text(max_size=12), mode=st.sampled_from(("native", "manual")),
+                words=st.text(max_size=20), detail=st.text(max_size=40), fit=NO_NAN,
+                residual_ratio=NO_NAN, step=st.none() | st.integers(0, 10**6), factor=st.none() | NO_NAN, dtype=st.none() | st.sampled_from(("bfloat16", "float16"))))
         elif kind.startswith("list"):
             fields[f.name] = draw(st.lists(st.integers(0, 10**6), max_size=4))
         elif kind == "bool":
