@@ -5,6 +5,7 @@ be. The injector works on any array type with ``+`` and ``*`` (torch tensors, MX
 each backend applies the same semantics:
 
   drop-step    micro-step k's gradient never reaches the total
+  repeat-step  micro-step k's gradient is added twice
   double-step  at micro-step k the running total is added a second time (apache/mxnet#16708)
   scale        micro-step k's gradient is scaled by 1 + 1e-3
   bf16         the running total is rounded to bfloat16 after every micro-step
@@ -28,7 +29,8 @@ ROUNDOFF_BLOCK = 4
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault on one parameter. ``step`` is the micro-step it hits (drop/double/scale)."""
+    """A fault on one parameter. ``step`` is the micro-step it hits (drop/repeat/double/scale),
+    counted from 0."""
 
     kind: str
     param: str | None = None
@@ -43,7 +45,7 @@ class Fault:
         return self.target + (f"@{self.step}" if self.step is not None and self.kind in _ONE_STEP else "")
 
 
-_ONE_STEP = ("drop-step", "double-step", "scale")
+_ONE_STEP = ("drop-step", "repeat-step", "double-step", "scale")
 
 
 def parse_fault(text: str) -> Fault:
@@ -101,6 +103,8 @@ class FaultInjector:
             return grad
         if kind == "drop-step":
             return grad * 0
+        if kind == "repeat-step":
+            return grad + grad
         if kind == "double-step":
             return grad if running_total is None else grad + running_total
         if kind == "scale":

@@ -24,7 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ACCUM_DTYPES = ("float32", "float64")
 MODES = ("native", "accumulator", "compensated")
 REDUCTIONS = ("mean", "sum", "token_count")
-FAULT_KINDS = ("drop-step", "double-step", "scale", "bf16", "roundoff")
+FAULT_KINDS = ("drop-step", "repeat-step", "double-step", "scale", "bf16", "roundoff")
 SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
 

@@ -19,7 +19,7 @@ def test_parse_kind_and_optional_parameter():
     assert parse_fault("bf16:") == Fault("bf16", None)  # an empty PARAM is none
     with pytest.raises(AccumcheckError) as error:
         parse_fault("flip:fc.weight")
-    assert str(error.value) == ("--inject: unknown fault 'flip'; choose one of drop-step, double-step, scale, bf16, "
+    assert str(error.value) == ("--inject: unknown fault 'flip'; choose one of drop-step, repeat-step, double-step, scale, bf16, "
                                 "roundoff (optionally KIND:PARAM to pick the tensor)")
 
 
@@ -39,7 +39,8 @@ def test_resolve_aims_at_the_first_embedding_then_the_first_weight_then_the_firs
 
 
 def test_one_step_faults_hit_step_n_over_2_and_the_others_none():
-    assert [resolve_fault(Fault(k), PARAMS, 7).step for k in ("drop-step", "double-step", "scale")] == [3, 3, 3]
+    assert [resolve_fault(Fault(k), PARAMS, 7).step for k in ("drop-step", "repeat-step", "double-step", "scale")] \
+        == [3, 3, 3, 3]
     assert resolve_fault(Fault("scale"), PARAMS, 1).step == 0
     assert resolve_fault(Fault("bf16"), PARAMS, 8) == Fault("bf16", "embed.weight", None)
     assert resolve_fault(Fault("roundoff"), PARAMS, 8).step is None
@@ -69,6 +70,7 @@ def contributions(kind, grads, step=None, totals=None):
 def test_one_step_faults_change_only_their_step():
     grads = [1.0, 2.0, 3.0, 4.0]
     assert contributions("drop-step", grads, step=2) == [1.0, 2.0, 0.0, 4.0]
+    assert contributions("repeat-step", grads, step=2) == [1.0, 2.0, 6.0, 4.0]
     assert contributions("double-step", grads, step=2, totals=[None, 1.0, 3.0, 6.0]) == [1.0, 2.0, 6.0, 4.0]
     assert contributions("scale", grads, step=1) == [1.0, 2.0 * SCALE_FACTOR, 3.0, 4.0]
     assert SCALE_FACTOR == 1.001
@@ -87,7 +89,7 @@ def test_roundoff_adds_blocks_of_four_micro_steps_and_the_rest_at_the_end():
 
 def test_after_add_replaces_the_total_only_for_bf16():
     assert FaultInjector(Fault("bf16", "w"), 4, lambda x: ("bf16", x)).after_add(0, 3.0) == ("bf16", 3.0)
-    for kind in ("drop-step", "double-step", "scale", "roundoff"):
+    for kind in ("drop-step", "repeat-step", "double-step", "scale", "roundoff"):
         assert FaultInjector(Fault(kind, "w", 1), 4, lambda x: ("bf16", x)).after_add(1, 3.0) is None
 
 
