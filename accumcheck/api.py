@@ -76,12 +76,17 @@ def run(config: RunConfig, progress: Progress | None = None) -> Any:
     result = backend.run(config, progress)
     if writer is not None:
         _log_norms(writer, result, config.accum_steps)
-    return _report(config, result, started)
+    return _report(config, result, started, backend, progress)
 
 
-def _report(config: RunConfig, result: RunResult, started: float) -> Report:
+def _report(config: RunConfig, result: RunResult, started: float, backend: Backend | None = None,
+            progress: Progress | None = None, weights: dict[str, np.ndarray] | None = None) -> Report:
+    replay = None
+    if backend is not None and backend.capabilities.replay and config.world_size is None:
+        def replay(names: list[str]) -> Any:
+            return backend.micro_gradients(config, names, progress, weights)
     return build_report(config.case, result, config.accum_steps, config.fault, config.oracle,
-                        time.perf_counter() - started, config.record())
+                        time.perf_counter() - started, config.record(), replay)
 
 
 def _log_norms(writer: ScalarWriter, result: RunResult, step: int) -> None:
@@ -109,7 +114,7 @@ def _cross(config: RunConfig, progress: Progress | None, weights: dict[str, dict
         started = time.perf_counter()
         result = backend.run(own, progress, weights=weights.get(backend.name))
         results.append(result)
-        reports.append(_report(own, result, started))
+        reports.append(_report(own, result, started, backend, progress, weights.get(backend.name)))
     agreements = [a for other in results[1:] for a in agreement(results[0], other)]
     return CrossReport(frameworks=list(config.frameworks), reports=reports, agreement=agreements,
                        forward=forward_agreement(results[0], results[1]), allowance=FLOAT64_KERNEL_ALLOWANCE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class Capabilities:
     reduce_dtypes: tuple[str, ...] = ("float32",)
     single_process_only: tuple[str, ...] = ()
     trajectory: bool = False
+    replay: bool = False  # streams a run's micro-gradients again (micro_gradients): causes, statistical tier
     layer_types: tuple[str, ...] = LAYER_TYPES  # the layer types it builds a case from
     options: tuple[Option, ...] = ()
     why_not: dict[str, str] = field(default_factory=dict)  # option name -> why it is limited here
@@ -188,11 +189,26 @@ class Backend(ABC):
         """The check of a user's own model (``accumcheck.<name>.check``), where the backend has one."""
         return None
 
+    def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
+                        weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """A single-process run's clean micro-gradients (no fault: what the manual buffer adds) of
+        the tensors ``names`` again, one dict per micro-step, in order, bit for bit those of ``run``,
+        where ``capabilities.replay`` says the backend can (``accumcheck.judge.attribution``)."""
+        raise AccumcheckError(f"the {self.name} backend cannot replay a run's micro-gradients")
+
     def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
               progress: Progress | None = None) -> TrajectoryReport:
         """``steps`` optimizer steps with native and manual accumulation (``accumcheck train``),
         where ``capabilities.trajectory`` says the backend can."""
         raise AccumcheckError(f"train: the {self.name} backend cannot run training trajectories")
+
+    def repro_source(self, config: RunConfig, report: Any, script_name: str = "repro.py",
+                     data_name: str = "repro.npz", shrunk_from: str | None = None) -> str:
+        """The source of a standalone script that reproduces ``config``'s run of a case with this
+        framework and numpy alone (``accumcheck compare --repro``), reading its data from
+        ``data_name`` beside it (``accumcheck.repro.case_arrays``); ``report`` is the run's
+        Report, whose verdicts it quotes. ``shrunk_from`` names the case a shrunk one came from."""
+        raise AccumcheckError(f"--repro: the {self.name} backend writes no reproduction scripts")
 
 
 @dataclass

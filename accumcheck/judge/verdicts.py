@@ -29,6 +29,7 @@ from ..faults import Fault
 from ..report import Report, TensorResult
 from ..version import __version__
 from . import dataparallel
+from .attribution import Examined, Replay, examine, severity, spreads, wanted
 from .dataparallel import RankChecks
 from .fullbatch import full_batch_verdict
 from .ratio import ratio_map, unravel
@@ -81,10 +82,12 @@ def compare_tensor(name: str, kind: str, native: np.ndarray, manual: np.ndarray,
 
 
 def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fault | None, oracle: bool,
-                 seconds: float, config: dict[str, Any] | None = None) -> Report:
+                 seconds: float, config: dict[str, Any] | None = None, replay: Replay | None = None) -> Report:
     """Judge every tensor of a backend's RunResult and wrap the verdicts in a Report. ``case`` is
     None for a user's own model (then ``config`` is ``{"model": its class name}``); ``config`` is
-    the run's ``RunConfig.record()``."""
+    the run's ``RunConfig.record()``. ``replay`` streams the run's clean micro-gradients again for
+    the tensors named (``attribution``): with it, flagged tensors get a cause and the statistical
+    tier runs."""
     config = dict(config or {})
     native_bound = ModeBound.for_sum(run.param_dtype, accum_steps, run.native_kernel_allowance)
     manual_bound = ModeBound.for_sum(run.accum_dtype, accum_steps)
@@ -101,7 +104,7 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     ulps = config.get("mode", "native") != "native"  # how close a GradAccumulator gets
     checks = [None if parallel is None else dataparallel.check_tensor(p, run.ranks or [], parallel)
               for p in run.params]
-    tensors = []
+    tensors, examined = [], []
     for p, check in zip(run.params, checks):
         own, own_reference = native_bound, reference
         if p.dtype is not None and p.dtype != run.param_dtype:  # a model of mixed dtypes: each its own bound
@@ -113,7 +116,19 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
                            no_gradient=p.steps_with_grad == 0, overflow=run.grad_scale is not None)
         t.aliases = list(p.aliases) or None
         t.steps_with_grad = p.steps_with_grad
+        spreads(t, p.native, p.manual, p.exact, p.absum, accum_steps, UNIT_ROUNDOFF[manual_bound.dtype])
         tensors.append(t)
+        if replay is not None and parallel is None and wanted(t):
+            examined.append(Examined(t, p.native, p.manual, p.exact, p.absum,
+                                     {"native": own_reference or own, "manual": manual_bound},
+                                     {"native": UNIT_ROUNDOFF[own.dtype], "manual": UNIT_ROUNDOFF[manual_bound.dtype]}))
+    notes = list(run.notes)
+    if examined:
+        note = examine(examined, accum_steps, replay)
+        if note:
+            notes.append(note)
+    for t in tensors:
+        t.severity = severity(t)
     bound = {"native": vars(native_bound), "manual": vars(manual_bound)}
     result = None
     if parallel is not None:
@@ -136,7 +151,7 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
         framework=run.framework, versions={"accumcheck": __version__, **run.versions}, device=run.device,
         param_dtype=run.param_dtype, accum_dtype=run.accum_dtype, accum_steps=accum_steps, seed=case.seed,
         oracle=oracle, inject=None if fault is None else str(fault), bound=bound, loss_reduction=case.loss_reduction,
-        settings=run.settings, notes=list(run.notes), losses=run.losses, seconds=round(seconds, 3),
+        settings=run.settings, notes=notes, losses=run.losses, seconds=round(seconds, 3),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), tensors=tensors, config=config,
         full_batch=None if run.full_batch is None else full_batch_verdict(run.full_batch, accum_steps),
         data_parallel=result)

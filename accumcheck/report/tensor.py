@@ -29,7 +29,8 @@ class Cause:
     kind: repeat-step (micro-step ``step`` counted ``factor`` extra times), drop-step (lost),
     scale-step (scaled by 1 + ``factor``), scale-sum (the whole sum scaled by 1 + ``factor``),
     running-total (the running total before micro-step ``step`` added ``factor`` more times),
-    doubling (the running total added again at every micro-step), narrow-dtype (the running
+    growth (the running total multiplied by ``factor`` at every micro-step, so added again
+    factor - 1 times, each micro-gradient scaled by ``grad_scale``), narrow-dtype (the running
     total kept in ``dtype``) or unexplained (none of these). ``fit`` is 1 - residual/difference
     in the round-off-weighted least-squares sense; ``residual_ratio`` is the worst element of what
     the explanation leaves over, against the round-off bound (<= 1: the rest is round-off)."""
@@ -43,6 +44,10 @@ class Cause:
     step: int | None = None
     factor: float | None = None
     dtype: str | None = None
+    grad_scale: float | None = None
+    # Other explanations that fit as well (micro-steps with the same gradient, a running total
+    # that is the whole sum times a factor), in words.
+    alternatives: list[str] | None = None
 
     @property
     def single_step(self) -> bool:

@@ -195,7 +195,8 @@ def tensor_results(draw):
             fields[f.name] = draw(st.none() | st.builds(
                 Cause, kind=st.text(max_size=12), mode=st.sampled_from(("native", "manual")),
                 words=st.text(max_size=20), detail=st.text(max_size=40), fit=NO_NAN,
-                residual_ratio=NO_NAN, step=st.none() | st.integers(0, 10**6), factor=st.none() | NO_NAN, dtype=st.none() | st.sampled_from(("bfloat16", "float16"))))
+                residual_ratio=NO_NAN, step=st.none() | st.integers(0, 10**6), factor=st.none() | NO_NAN, dtype=st.none() | st.sampled_from(("bfloat16", "float16")),
+                grad_scale=st.none() | NO_NAN, alternatives=st.none() | st.lists(st.text(max_size=12), max_size=3)))
         elif kind.startswith("list"):
             fields[f.name] = draw(st.lists(st.integers(0, 10**6), max_size=4))
         elif kind == "bool":

@@ -3,7 +3,7 @@ passes (``passes``). MXNet itself is imported inside the methods only."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -21,7 +21,7 @@ class MXNetBackend(Backend):
     preference = 1
     install = "pip install 'accumcheck[mxnet]'"
     capabilities = Capabilities(
-        accum_dtypes=("float32",), options=(HYBRIDIZE,),
+        accum_dtypes=("float32",), options=(HYBRIDIZE,), replay=True,
         why_not={"dtype": "it runs float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for these operators",
                  "accum_dtype": "it runs float32 only",
                  "mode": "GradAccumulator is accumcheck.torch's; MXNet compares grad_req='add' only",
@@ -48,3 +48,9 @@ class MXNetBackend(Backend):
         from .run import run
 
         return run(config, self.versions(), progress, weights)
+
+    def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
+                        weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        from .run import micro_gradients
+
+        return micro_gradients(config, names, progress, weights)

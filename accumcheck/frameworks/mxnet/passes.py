@@ -48,7 +48,7 @@ def prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, h
     return block
 
 
-def _set_grad_req(params: dict[str, Any], req: dict[str, str], default: str, refresh: Callable[[], None] | None) -> None:
+def set_grad_req(params: dict[str, Any], req: dict[str, str], default: str, refresh: Callable[[], None] | None) -> None:
     for name, param in params.items():
         param.grad_req = req.get(name, default)
     if refresh is not None:
@@ -62,7 +62,7 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     output of micro-step 0. A faulted parameter is accumulated by the fault injector instead,
     from its exact micro-gradients (grad_req='write')."""
     target = fault.param if fault is not None else None
-    _set_grad_req(params, {target: "write"} if target else {}, "add", refresh)
+    set_grad_req(params, {target: "write"} if target else {}, "add", refresh)
     for param in params.values():
         param.zero_grad()
     injector = None
@@ -71,7 +71,7 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
                                  lambda t: mx.nd.array(round_to_bfloat16(t.asnumpy()), ctx=ctx, dtype=t.dtype))
     total = None
     losses: list[Any] = []
-    for index, _ in _micro_steps(step, accum_steps, losses):
+    for index, _ in micro_steps(step, accum_steps, losses):
         if injector is not None:
             grad = params[target].grad().copy()
             contribution = injector.contribution(index, grad, total)
@@ -93,7 +93,7 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy). With
     ``counts`` every gradient is zeroed before each micro-step and counts[name] becomes the number
     of micro-steps whose gradient was not all zero."""
-    _set_grad_req(params, {}, "write", refresh)
+    set_grad_req(params, {}, "write", refresh)
     # grad_req='write' leaves the gradient of a parameter outside this micro-step's graph as it was.
     zero = counts is not None
     hits = {name: 0 for name in params} if zero else None
@@ -114,7 +114,7 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
         absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
     losses: list[Any] = []
     pending: dict[str, Any] = {}
-    for index, _ in _micro_steps(step, accum_steps, losses):
+    for index, _ in micro_steps(step, accum_steps, losses):
         if on_cpu:
             # Copy on MXNet's engine, read on the host one micro-step later: the host waits for a
             # gradient only while the engine already runs the next micro-step.
@@ -146,7 +146,7 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     return split(acc), split(exact), split(absum), float(loss_sum.asscalar()) / accum_steps, logits
 
 
-def _micro_steps(step: StepFn, accum_steps: int, losses: list[Any]) -> Iterator[tuple[int, Any]]:
+def micro_steps(step: StepFn, accum_steps: int, losses: list[Any]) -> Iterator[tuple[int, Any]]:
     """Forward under autograd.record() and backward, micro-step by micro-step; yields (index,
     output). Leaves [output of micro-step 0, summed mean loss] in ``losses`` (NDArrays)."""
     losses[:] = [None, None]

@@ -4,7 +4,7 @@ bug reports) unless asked not to be."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from ...cases import Case
 from ...config import RunConfig
 from .library import mx
 from .model import resolve_context
-from .passes import case_step, manual_pass, native_pass, prepared
+from .passes import case_step, manual_pass, micro_steps, native_pass, prepared, set_grad_req
 
 # With grad_req='add' MXNet's backward kernels write into the gradient with kAddTo: the embedding
 # backward, for one, adds each token's row straight into the running total, so a micro-step's inner
@@ -55,6 +55,22 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx), param_dtype="float32",
                      accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE, losses=losses,
                      settings=settings, notes=notes, first_logits=logits)
+
+
+def micro_gradients(config: RunConfig, names: list[str], progress: Progress | None = None,
+                    weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The manual pass's micro-gradients of the tensors ``names`` again, one micro-step at a time:
+    a fresh block from the same weights, grad_req='write', as ``manual_pass`` reads them."""
+    case, steps = config.case, config.accum_steps
+    ctx = resolve_context(config.device)
+    block = prepared(case, case.weights() if weights is None else weights, "float32", ctx,
+                     config.option("hybridize", True))
+    params = block.canonical
+    set_grad_req(params, {}, "write", None)
+    for index, _ in micro_steps(case_step(case, block, ctx, "float32", steps), steps, []):
+        yield {name: params[name].grad().asnumpy() for name in names}
+        if progress is not None:
+            progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
 
 
 def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: bool, accum_steps: int,

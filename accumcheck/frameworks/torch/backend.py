@@ -5,7 +5,7 @@ inside the methods only."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -22,7 +22,7 @@ class TorchBackend(Backend):
     install = "pip install 'accumcheck[torch]'"
     capabilities = Capabilities(
         dtypes=DTYPES, modes=MODES, full_batch=True, data_parallel=True, reduce_dtypes=DTYPES,
-        single_process_only=("dtype", "mode", "full_batch"), trajectory=True,
+        single_process_only=("dtype", "mode", "full_batch"), trajectory=True, replay=True,
         why_not={"single_process_only": "data-parallel runs keep float32 parameters and DDP's own accumulation; "
                                         "--reduce-dtype sets the all-reduce's dtype"})
 
@@ -54,9 +54,20 @@ class TorchBackend(Backend):
 
         return run_single(config, self.versions(), progress, weights)
 
+    def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
+                        weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        from .run import micro_gradients
+
+        return micro_gradients(config, names, progress, weights)
+
     def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
               progress: Progress | None = None) -> TrajectoryReport:
         from .train import train
 
         return train(config, steps, optimizer, lr, self.versions(), progress)
 
+    def repro_source(self, config: RunConfig, report: Any, script_name: str = "repro.py",
+                     data_name: str = "repro.npz", shrunk_from: str | None = None) -> str:
+        from .repro import repro_source
+
+        return repro_source(config, report, script_name, data_name, shrunk_from)

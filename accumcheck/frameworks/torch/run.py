@@ -3,7 +3,7 @@ float64 model with the oracle, and the full batch), as the RunResult the judge r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ from ...cases import Case
 from ...config import RunConfig
 from .accumulate import case_sums
 from .fullbatch import full_batch_gap
-from .model import build_model, deterministic, isolated, resolve_device, to_inputs, to_numpy
+from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 
 
 def run_single(config: RunConfig, versions: dict[str, str], progress: Progress | None = None,
@@ -52,6 +52,30 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
                      # the GradAccumulator sums in float32, whatever the parameters' dtype
                      param_dtype=config.dtype if config.mode == "native" else "float32", accum_dtype=config.accum_dtype,
                      losses=losses, settings=settings, first_logits=logits, full_batch=gap)
+
+
+def micro_gradients(config: RunConfig, names: list[str], progress: Progress | None = None,
+                    weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The run's micro-gradients of the tensors ``names`` again, one micro-step at a time: the same
+    model, batches and settings as ``run_single``, no fault, ``.grad`` cleared before each step."""
+    case, steps = config.case, config.accum_steps
+    dev = resolve_device(config.device)
+    dtype = getattr(torch, config.dtype)
+    weights = case.weights() if weights is None else weights
+    total = case.token_count(steps) if case.loss_reduction == "token_count" else None
+    with deterministic(dev), isolated(dev):
+        model = build_model(case, weights, dtype, dev)
+        params = model.canonical
+        for step in range(steps):
+            for param in params.values():
+                param.grad = None
+            batch = case.batch(step)
+            labels = torch.from_numpy(batch.labels).to(dev)
+            case_loss(case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total).backward()
+            yield {name: to_numpy(params[name].grad).copy() if params[name].grad is not None
+                   else np.zeros(tuple(params[name].shape), np.float32) for name in names}
+            if progress is not None:
+                progress("second pass: the flagged tensors' micro-gradients", step + 1, steps)
 
 
 def device_name(dev: Any) -> str:

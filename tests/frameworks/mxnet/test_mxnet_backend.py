@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+from attribution_checks import assert_explained
 
 import accumcheck
 from accumcheck.casefile import builtin_case_names
+from accumcheck.options import FAULT_KINDS
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 FIXED = tuple(int(x) for x in mx.__version__.split(".")[:2]) >= (1, 7)  # apache/mxnet#17995
@@ -23,23 +25,28 @@ def test_kernel_differences_show_as_round_off_with_ulps_and_ratio():
     assert report.bound["native"]["kernel_allowance"] > 0 and report.bound["manual"]["kernel_allowance"] == 0
 
 
-@pytest.mark.parametrize("fault", ["drop-step", "double-step", "scale", "bf16"])
+@pytest.mark.parametrize("steps", [16, 32])
+@pytest.mark.parametrize("fault", [f for f in FAULT_KINDS if f != "roundoff"])
 @pytest.mark.parametrize("case", CASES)
-def test_every_fault_is_flagged(case, fault):
+def test_every_fault_is_flagged_and_explained(case, fault, steps):
     if not _clean(case):
         pytest.skip("the real bug flags this case already")
-    report = accumcheck.compare(case, framework="mxnet", accum_steps=32, inject=fault)
+    report = accumcheck.compare(case, framework="mxnet", accum_steps=steps, inject=fault)
     target = report.inject.split(":")[1].split("@")[0]
     assert [t.name for t in report.flagged] == [target]
     assert report.flagged[0].worst_mode == "native"
+    assert_explained(report.flagged[0], fault, steps)
+    assert not any(t.verdict == "suspicious" for t in report.tensors)
 
 
+@pytest.mark.parametrize("steps", [16, 32])
 @pytest.mark.parametrize("case", CASES)
-def test_roundoff_control_is_not_flagged(case):
+def test_roundoff_control_is_not_flagged_nor_explained(case, steps):
     if not _clean(case):
         pytest.skip("the real bug flags this case already")
-    report = accumcheck.compare(case, framework="mxnet", accum_steps=32, inject="roundoff")
+    report = accumcheck.compare(case, framework="mxnet", accum_steps=steps, inject="roundoff")
     assert report.exit_code == 0
+    assert all(t.cause is None and t.verdict in ("identical", "round-off") for t in report.tensors)
 
 
 def test_shared_weight_verdict_follows_the_version():
@@ -52,6 +59,11 @@ def test_shared_weight_verdict_follows_the_version():
         assert report.exit_code == 1
         assert {t.name for t in report.flagged} == {"shared.weight", "shared.bias"}
         assert report.flagged[0].kind == "weight"
+        # What the fit finds: the running total multiplied by 16 at every micro-step, each
+        # micro-gradient computed without one of its five contributions (8/9 of it for the weight).
+        weight = report.flagged[0].cause
+        assert (weight.kind, weight.factor) == ("growth", 16.0) and weight.grad_scale == pytest.approx(8 / 9, rel=1e-5)
+        assert weight.fit > 0.999 and weight.residual_ratio <= 1
 
 
 def test_float64_oracle_runs_in_mxnet():
