@@ -36,6 +36,8 @@ class RunConfig:
     mode: str = "native"
     grad_norms: str | None = None
     force: bool = False
+    fail_on: str = "marginal"
+    strict: bool = False
     backend_options: tuple[tuple[str, Any], ...] = ()
 
     @property

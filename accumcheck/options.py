@@ -25,6 +25,9 @@ ACCUM_DTYPES = ("float32", "float64")
 MODES = ("native", "accumulator", "compensated")
 REDUCTIONS = ("mean", "sum", "token_count")
 FAULT_KINDS = ("drop-step", "repeat-step", "double-step", "scale", "bf16", "roundoff")
+# What fails a run (exit 1): every flagged tensor ("marginal", the default), only the decisive ones
+# ("diverged"), or suspicious ones too ("suspicious", what --strict means).
+FAIL_ON = ("suspicious", "marginal", "diverged")
 SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
 
@@ -243,6 +246,11 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "in DIR", check=text, metavar="DIR", one_framework=True, reproduce="never"),
     Option("force", "force", "run although the estimate says it needs more memory than is available, or more "
            "ranks than there are cores", default=False, switch=True),
+    Option("fail_on", "fail-on", "what fails the run (exit 1): suspicious tensors too, every flagged tensor "
+           "(marginal, the default) or only the decisive ones (diverged: more than 10x past the bound, or a "
+           "single-step fault)", default="marginal", choices=FAIL_ON, pytest="value"),
+    Option("strict", "strict", "fail on suspicious tensors too (the same as --fail-on suspicious)", default=False,
+           switch=True, pytest="value"),
 )
 OPTIONS_BY_NAME = {option.name: option for option in RUN_OPTIONS}
 

@@ -60,6 +60,9 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
     if values["full_batch"] and case.conditional_layers():
         raise AccumcheckError(f"--full-batch: case {case.name!r} routes each micro-batch through its conditional "
                               "layers on its own, so the whole batch has no single route; drop --full-batch")
+    if values["strict"] and values["fail_on"] not in ("marginal", "suspicious"):
+        raise AccumcheckError(f"--strict fails on suspicious tensors, --fail-on {values['fail_on']} only on "
+                              "decisive ones: give one of the two")
     rank = values["inject_rank"]
     if rank is not None and rank >= values["world_size"]:
         raise AccumcheckError(f"--inject-rank {rank}: ranks are 0..{values['world_size'] - 1}")
@@ -75,7 +78,7 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
         world_size=values["world_size"], reduce_dtype=values["reduce_dtype"], inject_rank=rank,
         dtype=values["dtype"], accum_dtype=values["accum_dtype"], mode=values["mode"],
         grad_norms=None if values["grad_norms"] is None else str(values["grad_norms"]), force=values["force"],
-        backend_options=tuple(extras.items()))
+        fail_on="suspicious" if values["strict"] else values["fail_on"], backend_options=tuple(extras.items()))
 
 
 def _checked(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -56,6 +56,8 @@ ALTERNATIVES_SHOWN = 3
 # Explanations in order of simplicity, for ties.
 _SIMPLICITY = ("drop-step", "repeat-step", "scale-step", "running-total", "scale-sum", "narrow-dtype", "growth")
 GROWTH = (2, 3, 4, 8, 16, 32, 64)
+# The growth family keeps two tensors per factor: only for tensors up to this many elements.
+GROWTH_ELEMENTS = 1 << 22
 
 # A replay: the names of the tensors to replay in, each micro-step's clean gradients out.
 Replay = Callable[[list[str]], Iterable[dict[str, np.ndarray]]]
@@ -162,7 +164,10 @@ class TensorExamination:
             self.modes[mode] = _ModeFit(values - exact, weight, sigma2, stat, u, absum)
         self.prefix = np.zeros_like(exact)
         # Only a flagged tensor is explained: the statistical tier needs none of these.
-        self.growth = {r: np.zeros_like(exact) for r in GROWTH} if explain else {}
+        growth = explain and exact.size <= GROWTH_ELEMENTS
+        self.growth = {r: np.zeros_like(exact) for r in GROWTH} if growth else {}
+        # sum_k r^(N-1-k) |T_k|: what the growth's own roundings are at most amplified to
+        self.growth_scale = {r: np.zeros_like(exact) for r in GROWTH} if growth else {}
         self.narrow = {d: np.zeros(exact.shape, np.float32) for d in NARROW_DTYPES} if explain else {}
         self.replayed = np.zeros_like(exact)  # the replay's own E: it must equal the first pass's
         self.steps = 0
@@ -180,6 +185,9 @@ class TensorExamination:
             for r, total in self.growth.items():
                 total *= r
                 total += g
+                scale = self.growth_scale[r]
+                scale *= r
+                scale += np.abs(total)
         for dtype, total in self.narrow.items():
             total += g32.astype(np.float32)
             self.narrow[dtype] = _round_to(dtype, total)
@@ -283,20 +291,27 @@ class TensorExamination:
         except np.linalg.LinAlgError:
             a, b = 0.0, 0.0
         v = a * total + b * self.exact
-        cause = self._cause(mode, "growth", None, float(r), fit.fit_of(1.0, v), self._residual(mode, 1.0, v))
+        # Each step rounds its product and its sum (at most 2u |a T_k| each), and later steps
+        # multiply those errors by r again.
+        u = self.item.units[mode]
+        rounded = 2.0 * u * (1.0 + gamma(self.n, u)) * abs(a) * self.growth_scale[r]
+        cause = self._cause(mode, "growth", None, float(r), fit.fit_of(1.0, v),
+                            self._residual(mode, 1.0, v, rounded))
         cause.grad_scale = float(a)
         cause.words, cause.detail = describe("growth", None, float(r), None, float(a))
         cause.detail = f"{mode}: {cause.detail} (fit {cause.fit:.3f})"
         return cause
 
-    def _residual(self, mode: str, c: float, v: np.ndarray) -> float:
+    def _residual(self, mode: str, c: float, v: np.ndarray, rounded: np.ndarray | None = None) -> float:
         """The worst element of e - c v against the round-off bound of the sum the explanation
         describes: the mode's bound with |c v| added to S (what the faulty sum also rounded, the
-        kernel allowance included)."""
+        kernel allowance included), plus ``rounded`` where the explanation bounds its own roundings."""
         bound = self.item.bounds[mode]
         explained = c * v
         scale = self.absum + np.abs(explained)
         limit = bound.relative * scale + bound.floor(math.sqrt(float(np.mean(scale * scale))))
+        if rounded is not None:  # the explained computation's own roundings, where it says them
+            limit = limit + rounded
         r = np.abs(self.modes[mode].error - explained)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(r == 0, 0.0, r / limit)

@@ -142,9 +142,25 @@ class Report(Serialised):
         return self.full_batch is not None and not self.full_batch.equivalent
 
     @property
+    def suspicious(self) -> list[TensorResult]:
+        """Tensors inside their bound whose error lines up with a fault's pattern."""
+        return [t for t in self.tensors if t.verdict == "suspicious"]
+
+    @property
+    def failing(self) -> list[TensorResult]:
+        """The tensors that fail the run under its ``fail_on`` policy (``config["fail_on"]``):
+        every flagged tensor ("marginal", the default), only those of severity diverged
+        ("diverged"), or the suspicious ones too ("suspicious")."""
+        policy = self.config.get("fail_on") or "marginal"
+        if policy == "diverged":
+            return [t for t in self.flagged if t.severity != "marginal"]
+        return self.flagged + (self.suspicious if policy == "suspicious" else [])
+
+    @property
     def exit_code(self) -> int:
-        """0 when every tensor is faithful (and the full-batch check, if run, agrees), else 1."""
-        return 1 if self.flagged or self.semantic_mismatch else 0
+        """0 when no tensor fails under the run's ``fail_on`` policy (and the full-batch check, if
+        run, agrees), else 1."""
+        return 1 if self.failing or self.semantic_mismatch else 0
 
     def reproduce_command(self) -> str:
         """The CLI line that reruns this comparison (for a user's own model: the call)."""
