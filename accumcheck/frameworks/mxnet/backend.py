@@ -54,3 +54,9 @@ class MXNetBackend(Backend):
         from .run import micro_gradients
 
         return micro_gradients(config, names, progress, weights)
+
+    def repro_source(self, config: RunConfig, report: Any, script_name: str = "repro.py",
+                     data_name: str = "repro.npz", shrunk_from: str | None = None) -> str:
+        from .repro import repro_source
+
+        return repro_source(config, report, script_name, data_name, shrunk_from)
