@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -24,16 +24,23 @@ from .config import RunConfig
 from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
+from .faults import Fault, resolve_fault
+from .files import write_atomic
 from .judge import agreement, build_report, forward_agreement
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
 from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .registry import backend_names, get_backend, installed_backends
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
+from .repro import ReproFiles, check_request, target_of
+from .repro import write as write_script
+from .shrink import MAX_TRIALS, case_toml
+from .shrink import shrink as shrink_case
 from .validation import checked_values, configure
 
 
 def compare(case: str | Path | Case = "embed-attention", framework: str | Sequence[str] | None = None,
-            accum_steps: int | None = None, *, progress: Progress | None = None, **options: Any) -> Any:
+            accum_steps: int | None = None, *, progress: Progress | None = None, repro: str | Path | None = None,
+            shrink: bool = False, **options: Any) -> Any:
     """Run ``case`` (a built-in name, a TOML path or a Case) for ``accum_steps`` micro-steps
     (default: the case's own) with native and manual accumulation, and judge every parameter
     tensor, in ``framework`` (default: the first installed backend). ``options`` are the run
@@ -44,10 +51,18 @@ def compare(case: str | Path | Case = "embed-attention", framework: str | Sequen
     data-parallel: under torchrun every rank calls it and gets the same Report (a script that
     spawns ranks needs the usual ``if __name__ == "__main__":`` guard).
 
+    ``repro`` (a .py path) also writes the run's reproduction script (``write_repro``), after
+    shrinking the case with ``shrink``.
+
     Returns the Report, or a CrossReport when ``framework`` names two frameworks. Raises
     AccumcheckError for an unknown case, framework, device, fault or option, a malformed case
     file, or a combination the backend cannot run."""
-    return run(configure({"case": case, "framework": framework, "accum_steps": accum_steps, **options}), progress)
+    config = configure({"case": case, "framework": framework, "accum_steps": accum_steps, **options})
+    check_request(config, repro, shrink)  # before the run: what could not be written is refused
+    report = run(config, progress)
+    if repro is not None:
+        write_repro(report, config, repro, shrink=shrink)
+    return report
 
 
 def compare_frameworks(case: str | Path | Case = "embed-attention", frameworks: Sequence[str] | None = None,
@@ -171,3 +186,55 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
             raise AccumcheckError(f"{name} {value}: give a positive whole number")
     module = importlib.import_module(f"accumcheck.integrations.{stack}")
     return module.run_case(resolved, accum_steps or resolved.accum_steps, batches, fault)
+
+
+def write_repro(report: Report, config: RunConfig, path: str | Path, *, shrink: bool = False,
+                log: Callable[[str], None] | None = None, max_trials: int = MAX_TRIALS) -> ReproFiles:
+    """Write the standalone script ``path`` (a .py file) that reproduces ``config``'s run (its
+    ``report``) with the framework and numpy alone, and its data beside it (the same name, .npz):
+    ``accumcheck compare --repro``. With ``shrink`` the case is first made as small as it gets
+    while a tensor stays flagged (at most ``max_trials`` runs; ``accumcheck.shrink``), and written
+    beside them (.toml); a run that flagged nothing is not shrunk. ``log`` is told each kept
+    reduction. Returns the files. Raises AccumcheckError for what cannot be reproduced or
+    written."""
+    files = check_request(config, path, shrink)
+    assert files is not None
+    say = log or (lambda line: None)
+    shrunk_from = None
+    target = target_of(report, config.fault.param if config.fault is not None else None)
+    if shrink and target is None:
+        say(f"--shrink: case {config.case.name} flagged nothing, so there is nothing to shrink; the script "
+            "reproduces the case as it is")
+    elif shrink:
+        result = shrink_case(config.case, config.accum_steps, _trial(config), target, str(files.case),
+                             max_trials=max_trials, log=say)
+        if result.report is None:
+            say(f"--shrink: no reduction of case {config.case.name} kept {target[0]} flagged; it is written as it is")
+            case_text = case_toml(dict(config.case.to_document(), accum_steps=config.accum_steps))
+        else:
+            say(result.line(config.case.name))
+            shrunk_from = f"case {config.case.name} at N = {config.accum_steps}"
+            case_text, report = result.case.text, result.report
+            config = dataclasses.replace(config, case=result.case, accum_steps=result.accum_steps,
+                                         fault=_fault_for(config.fault, result.case, result.accum_steps))
+        write_atomic(files.case, case_text)
+    write_script(files, config, report, shrunk_from)
+    return files
+
+
+def _fault_for(fault: Fault | None, case: Case, accum_steps: int) -> Fault | None:
+    """``fault`` aimed again at the same parameter, for ``case`` at ``accum_steps``."""
+    if fault is None:
+        return None
+    return resolve_fault(Fault(fault.kind, fault.param), [(p.name, p.kind) for p in case.parameters()], accum_steps)
+
+
+def _trial(config: RunConfig) -> Callable[[Case, int], Report]:
+    """A shrink's run of ``config`` on another case and N: the same framework, device, fault and
+    options, without the extras that judge nothing per tensor (oracle, full batch, norms)."""
+    def run_case(case: Case, accum_steps: int) -> Report:
+        return run(dataclasses.replace(config, case=case, accum_steps=accum_steps,
+                                       fault=_fault_for(config.fault, case, accum_steps), oracle=False,
+                                       full_batch=False, grad_norms=None))
+
+    return run_case

@@ -39,6 +39,7 @@ from .render.plots import figures, growth, save, save_plot
 from .render.table import cases_table
 from .render.text import one_line
 from .report import Report, diff_reports, load_report
+from .repro import check_request as check_repro
 from .setupfile import load_setup, run_setup
 from .validation import configure
 from .version import __version__
@@ -188,6 +189,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.world_size is None:  # under torchrun: data-parallel on the job's ranks
         args.world_size = launched_world_size()
     config = configure(_options(args))
+    check_repro(config, args.repro, args.shrink)  # what could not be written is refused before the run
     quiet = launched_rank() != 0  # every rank holds the same report; rank 0 prints it
     with _LazyProgress(enabled=not quiet) as progress:
         report = api.run(config, progress)
@@ -196,7 +198,19 @@ def _compare(args: argparse.Namespace) -> int:
     _emit(report, args)
     if args.plot:
         _plots(report.reports if hasattr(report, "reports") else [report], args.plot)
+    if args.repro is not None:
+        _repro(report, config, args)
     return report.exit_code
+
+
+def _repro(report: Report, config: Any, args: argparse.Namespace) -> None:
+    """Write the --repro script (after --shrink), saying so on stderr: stdout holds the report."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    files = api.write_repro(report, config, args.repro, shrink=args.shrink, log=say)
+    beside = f"{files.data}" + (f", the case {files.case}" if files.case.is_file() and args.shrink else "")
+    say(f"reproduction written: {files.script} (with {beside}); run it with: python {files.script}")
 
 
 def _sweep(args: argparse.Namespace) -> int:

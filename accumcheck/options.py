@@ -226,6 +226,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
            "the accumulation's tokens)", choices=REDUCTIONS),
     Option("inject", "inject", f"perturb the native accumulation: {', '.join(FAULT_KINDS)}", check=fault_text,
            metavar="KIND[:PARAM]"),
+    Option("repro", "repro", "also write FILE (a .py name) as a standalone script that reproduces this run with the "
+           "framework and numpy alone, its data beside it (FILE.npz), for a bug report", check=text, metavar="FILE",
+           one_framework=True, reproduce="never"),
+    Option("shrink", "shrink", "with --repro: first shrink the case (layers, widths, N, batch, sequence) while a "
+           "tensor stays flagged, and write the smallest case beside the script (FILE.toml)", default=False,
+           switch=True, one_framework=True, reproduce="never"),
     Option("world_size", "world-size", "run data-parallel on W ranks: native accumulation across ranks against "
            "an all-reduce every micro-step and one process over the same micro-batches (default: one process; "
            "under torchrun: its WORLD_SIZE)", check=positive_int, metavar="W", capability="data_parallel",

@@ -77,11 +77,12 @@ def check_request(config: RunConfig, path: str | Path | None, shrink: bool) -> R
     if config.world_size is not None:
         raise AccumcheckError(f"{flag}: a script reproduces a single-process run; drop --world-size "
                               "(and run it outside torchrun)")
-    for option, value, default in (("--dtype", config.dtype, "float32"), ("--accum-dtype", config.accum_dtype,
-                                   "float32"), ("--mode", config.mode, "native")):
+    for option, value, default, what in (
+            ("--dtype", config.dtype, "float32", "float32 parameters"),
+            ("--accum-dtype", config.accum_dtype, "float32", "a float32 manual buffer"),
+            ("--mode", config.mode, "native", "the framework's own accumulation (--mode native)")):
         if value != default:
-            raise AccumcheckError(f"{flag}: a script reproduces {default} {'native accumulation' if option == '--mode' else 'runs'}; "
-                                  f"drop {option} {value}")
+            raise AccumcheckError(f"{flag}: a script reproduces {what}; drop {option} {value}")
     if config.fault is not None:
         check_fault_kind(config.fault.kind)
     backend = get_backend(config.framework)
