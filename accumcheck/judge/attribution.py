@@ -29,8 +29,9 @@ whose error projects on one of the candidates' patterns with |z| beyond the thre
 them together (``FALSE_ALARM`` per tensor, Bonferroni over the candidates) is ``suspicious``.
 Where the model does not hold, the test leaves the elements out: elements whose term is too small
 to leave a mark on the sum (|v_i| <= 2 u S_i: round-to-nearest then drops it whole, the error is
--v_i, not random — stagnation), elements that repeat another's (E, S) (their errors are the same,
-not independent) and elements in the subnormal range (absolute, not relative, errors).
+-v_i, not random — stagnation), elements whose terms repeat from step to step (k x rounds the
+same way every time: systematic, not random), elements that repeat another's (E, S) (their errors
+are the same, not independent) and elements in the subnormal range (absolute, not relative, errors).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ MIN_FIT = 0.9
 # Fits within this of the best are a tie, won by the simpler explanation.
 FIT_TIE = 1e-3
 ALTERNATIVES_SHOWN = 3
+# An element whose terms repeat one of the two before them in more than 1/REPEATED_SHARE of the
+# micro-steps is left out of the statistical score.
+REPEATED_SHARE = 4
 # Explanations in order of simplicity, for ties.
 _SIMPLICITY = ("drop-step", "repeat-step", "scale-step", "running-total", "scale-sum", "narrow-dtype", "growth")
 GROWTH = (2, 3, 4, 8, 16, 32, 64)
@@ -171,6 +175,9 @@ class TensorExamination:
         self.narrow = {d: np.zeros(exact.shape, np.float32) for d in NARROW_DTYPES} if explain else {}
         self.replayed = np.zeros_like(exact)  # the replay's own E: it must equal the first pass's
         self.steps = 0
+        # Terms that repeat one of the two before them, per element: their roundings are not random.
+        self.recent = [np.full(exact.shape, np.nan), np.full(exact.shape, np.nan)]
+        self.repeats = np.zeros(exact.shape, np.int32)
 
     def add(self, grad: np.ndarray) -> None:
         g32 = np.asarray(grad).reshape(-1)
@@ -192,6 +199,8 @@ class TensorExamination:
             total += g32.astype(np.float32)
             self.narrow[dtype] = _round_to(dtype, total)
         self.replayed += g
+        self.repeats += (g == self.recent[0]) | (g == self.recent[1])
+        self.recent = [g, self.recent[0]]
         self.steps += 1
 
     @property
@@ -208,6 +217,12 @@ class TensorExamination:
         """The cause of ``mode``'s error (None when nothing is to be explained) and its largest score."""
         fit = self.modes[mode]
         fit.offer("total", self.n, self.exact)  # the whole sum: a candidate once E is complete
+        # The score again, of each family's strongest candidate, now that it is known which elements
+        # repeat their terms (left out: constant terms round the same way at every step).
+        fit.q = np.where(self.repeats * REPEATED_SHARE > self.n, 0.0, fit.q)
+        scores = {family: fit.z(best.vector) for family, best in fit.scores.items() if best.vector is not None}
+        fit.score_family = max(scores, key=scores.get, default="")
+        fit.score = scores.get(fit.score_family, 0.0)
         if fit.energy <= 0.0:
             return None, fit.score
         return self._explain(mode, fit), fit.score
