@@ -213,6 +213,12 @@ def torch_figures() -> dict[str, str]:
                             "embed-attention": (256, 512)}.items():
         figures[f"torch.scale.{case}"] = ("flagged" if flagged_at(case, yes) else "not flagged") + f" at N = {yes} " + (
             "but not at" if not flagged_at(case, no) else "and at") + f" {no}"
+    # Each fault's cause, as the second pass finds it (the README's worked examples).
+    rows = ["| `--inject` | the flagged tensor's cause |", "|---|---|"]
+    for fault in ("drop-step", "repeat-step", "double-step", "scale", "bf16"):
+        hit = accumcheck.compare("transformer-small", framework="torch", accum_steps=16, inject=fault).flagged[0]
+        rows.append(f"| `{fault}` | {hit.cause.detail} |")
+    figures["torch.causes"] = "\n" + "\n".join(rows) + "\n"
     clean = [accumcheck.compare(case, framework="torch").tensors for case in cases()]
     ratios = [max(t.ratio for t in tensors) for tensors in clean]
     figures["torch.clean.ratios"] = f"{sig(min(ratios), 2)}–{sig(max(ratios), 2)}"
@@ -343,6 +349,10 @@ def mxnet_16708_figures() -> dict[str, str]:
     _, out = cli("compare", "--framework", "mxnet", "--case", "shared-weight")
     figures = {"mxnet.160.console": console("pip install mxnet==1.6.0 'numpy<1.24' && accumcheck compare "
                                             "--framework mxnet --case shared-weight", out, excerpt)}
+    import accumcheck
+
+    weight = accumcheck.compare("shared-weight", framework="mxnet").flagged[0]
+    figures["mxnet.160.cause"] = f"“{weight.cause.detail}”"
     # accumcheck diff against MXNet 1.9.1's report (the accumcheck of another environment)
     fixed = os.environ.get("ACCUMCHECK_MX19", str(ROOT / ".venv" / "bin" / "accumcheck"))
     with tempfile.TemporaryDirectory() as folder:

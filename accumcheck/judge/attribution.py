@@ -116,7 +116,7 @@ class _ModeFit:
 
     def z(self, v: np.ndarray) -> float:
         """|<e, v>_w| over its standard deviation under the model, on the elements the model covers."""
-        keep = np.abs(v) > self.small
+        keep = (np.abs(v) > self.small) & (self.q > 0.0)  # the same elements above and below the line
         proxy = float((self.q * keep) @ (v * v))
         return abs(float((self.we * keep) @ v)) / math.sqrt(proxy) if proxy > 0.0 else 0.0
 

@@ -210,3 +210,12 @@ def test_every_explanation_has_words():
     assert describe("repeat-step", 8, 1.0, None) == ("step 8 counted twice", "micro-step 8 counted twice")
     with pytest.raises(ValueError):
         describe("magic", None, 0.0, None)
+
+
+def test_elements_left_out_of_the_score_are_left_out_of_both_its_sides():
+    # Found by the property test: the second element repeats its terms (left out), the first does
+    # not; a score counting the second element's error above the line but not below it explodes.
+    grads = np.array([[0.875, 0.875], [-0.8755588, -0.8755588], [0.0, 0.875], [-0.0, -0.8755588], [0.875, 0.875]],
+                     F32)
+    t = tensor_of(running(grads[[0, 2, 4, 1, 3]]), grads)
+    assert t.verdict == "round-off" and t.fault_score < t.fault_score_threshold
