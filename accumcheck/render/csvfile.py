@@ -5,20 +5,31 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+from typing import Any
 
-from ..report import CrossReport, Report, SweepReport, TensorResult
+from ..report import Cause, CrossReport, Report, SweepReport, TensorResult
+
+# A tensor's cause is a record of its own: its fields are columns of their own, cause_kind, cause_words, ...
+CAUSE_FIELDS = [f.name for f in dataclasses.fields(Cause)]
+
+
+def _cell(value: Any, joiner: str = "x") -> Any:
+    if value is None:
+        return ""
+    return joiner.join(map(str, value)) if isinstance(value, list) else value
 
 
 def csv_text(report: Report) -> str:
     """One row per tensor with every statistic; run facts repeated on each row."""
     buffer = io.StringIO()
-    tensor_fields = [f.name for f in dataclasses.fields(TensorResult)]
+    tensor_fields = [f.name for f in dataclasses.fields(TensorResult) if f.name != "cause"]
     run_fields = ["case", "framework", "device", "accum_steps", "seed", "inject"]
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(run_fields + tensor_fields)
+    writer.writerow(run_fields + tensor_fields + [f"cause_{name}" for name in CAUSE_FIELDS])
     for t in report.tensors:
         values = [getattr(report, f) for f in run_fields] + [getattr(t, f) for f in tensor_fields]
-        writer.writerow(["x".join(map(str, v)) if isinstance(v, list) else ("" if v is None else v) for v in values])
+        causes = [_cell(getattr(t.cause, name, None), "; ") for name in CAUSE_FIELDS]
+        writer.writerow([_cell(v) for v in values] + causes)
     return buffer.getvalue()
 
 

@@ -6,9 +6,9 @@ import base64
 import html
 from typing import Any
 
-from ..report import CrossReport, Report, SweepReport
+from ..report import CrossReport, Report, SweepReport, TensorResult
 from .plots import growth, heatmaps, png_bytes, scatter
-from .text import cross_summary, header_lines, num, summary_line, tensor_details
+from .text import cause_words, cross_summary, has_causes, header_lines, noteworthy, num, summary_line, tensor_details
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -17,7 +17,10 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
 th, td { border-bottom: 1px solid #ddd; padding: 0.3em 0.7em; text-align: right; }
 th { background: #f3f3f3; } td.name, th.name, td.text { text-align: left; font-family: monospace; }
+th.text { text-align: left; } td { white-space: nowrap; } td.cause { white-space: normal; min-width: 11em; }
+.wide { overflow-x: auto; }
 .flagged { color: #b00020; font-weight: bold; } .ok { color: #1b7f3b; font-weight: bold; }
+.marginal { color: #b00020; font-weight: normal; } .suspicious { color: #a05a00; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
 .meta { color: #555; font-size: 0.9em; }
@@ -33,21 +36,34 @@ def _summary(text: str, flagged: bool) -> str:
     return f'<p class="{"flagged" if flagged else "ok"}">{html.escape(text)}</p>'
 
 
+def _verdict_class(t: TensorResult) -> str:
+    """The verdict cell's classes: flagged (a marginal one not in bold), suspicious, or none."""
+    if t.flagged:
+        return "text flagged marginal" if t.severity == "marginal" else "text flagged"
+    return "text suspicious" if t.verdict == "suspicious" else "text"
+
+
 def _tensor_table(report: Report) -> str:
-    head = ("tensor", "kind", "shape", "max|g|", "verdict", "ratio to bound", "max|A−B|", "ulps",
-            "rtol/atol fails", "cond S/|E|", "err native", "err manual", "nearer", "share of norm")
+    causes = has_causes(report)
+    head = ("tensor", "kind", "shape", "max|g|", "verdict", *(("cause",) if causes else ()), "ratio to bound",
+            "max|A−B|", "ulps", "rtol/atol fails", "cond S/|E|", "err native", "err manual", "nearer", "share of norm")
     rows = []
     for t in report.tensors:
-        cls = ' class="flagged"' if t.flagged else ""
+        cls = _verdict_class(t)
+        # the cause in the verdict's colour, never in bold
+        tint = " marginal" if t.flagged and t.cause else " suspicious" if t.verdict == "suspicious" and t.cause else ""
+        cause = [f'<td class="text cause{tint}">{html.escape(cause_words(t))}</td>'] if causes else []
         cells = [f'<td class="name">{html.escape(t.title)}</td>', f'<td class="text">{t.kind}</td>',
                  f'<td class="text">{"x".join(map(str, t.shape))}</td>', f"<td>{num(t.max_abs_grad)}</td>",
-                 f'<td class="text"{cls}>{html.escape(t.label)}</td>'] + \
+                 f'<td class="{cls}">{html.escape(t.label)}</td>', *cause] + \
                 [f"<td>{v}</td>" for v in (num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), t.classic_mismatched,
                                            num(t.condition), num(t.err_native), num(t.err_manual))] + \
                 [f'<td class="text">{t.nearer}</td>', f"<td>{100 * t.norm_share:.3g}%</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    header = "".join(f'<th class="name">{h}</th>' if i == 0 else f"<th>{h}</th>" for i, h in enumerate(head))
-    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    header = "".join(f'<th class="name">{h}</th>' if i == 0 else f'<th class="text">{h}</th>' if h in ("verdict", "cause")
+                     else f"<th>{h}</th>" for i, h in enumerate(head))
+    # a wide table scrolls inside its own box, not the page
+    return f'<div class="wide"><table><thead><tr>{header}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
 
 
 def _report_section(report: Report, plots: bool = True) -> str:
@@ -55,9 +71,9 @@ def _report_section(report: Report, plots: bool = True) -> str:
              f"N = {report.accum_steps}</h2>",
              '<div class="meta">' + "<br>".join(html.escape(line) for line in header_lines(report)) + "</div>",
              _summary(summary_line(report), bool(report.exit_code)), _tensor_table(report)]
-    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
-    if noteworthy:
-        parts.append("<pre>" + html.escape("\n".join(line for t in noteworthy for line in tensor_details(t))) + "</pre>")
+    shown = noteworthy(report)
+    if shown:
+        parts.append("<pre>" + html.escape("\n".join(line for t in shown for line in tensor_details(t))) + "</pre>")
     if plots:
         parts.append(_img(scatter(report), f"error against bound, {report.case}"))
         maps = heatmaps(report)

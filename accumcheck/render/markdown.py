@@ -5,12 +5,15 @@ from __future__ import annotations
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
 from .text import (
     STACK_COLUMNS,
+    cause_words,
     cross_summary,
     describe,
     diff_extra_lines,
     diff_summary,
     forward_line,
+    has_causes,
     header_lines,
+    noteworthy,
     num,
     shape_text,
     stack_header_lines,
@@ -25,20 +28,23 @@ def markdown(report: Report) -> str:
     """A GitHub-flavoured markdown report: header, table, flagged details, summary."""
     out = [f"## accumcheck: {report.case} ({report.framework}, {report.device}, N = {report.accum_steps})", ""]
     out += [f"- {line}" for line in header_lines(report)] + [""]
-    cols = ["tensor", "kind", "shape", "max abs grad", "verdict", "ratio to bound", "max abs diff", "ulps",
-            "rtol/atol mismatches", "cond S/abs(E)", "err native", "err manual", "nearer"]
+    causes = has_causes(report)
+    cols = ["tensor", "kind", "shape", "max abs grad", "verdict", *(["cause"] if causes else []), "ratio to bound",
+            "max abs diff", "ulps", "rtol/atol mismatches", "cond S/abs(E)", "err native", "err manual", "nearer"]
     out.append("| " + " | ".join(cols) + " |")
-    out.append("|" + "|".join("---" if c in ("tensor", "kind", "shape", "verdict", "nearer") else "---:"
+    out.append("|" + "|".join("---" if c in ("tensor", "kind", "shape", "verdict", "cause", "nearer") else "---:"
                               for c in cols) + "|")
     for t in report.tensors:
-        verdict = f"**{t.label}**" if t.flagged else t.label
-        row = [f"`{t.title}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict, num(t.ratio), num(t.max_abs_diff),
+        # flagged in bold, suspicious in italics; a cell's own | would end it
+        verdict = f"**{t.label}**" if t.flagged else f"*{t.label}*" if t.verdict == "suspicious" else t.label
+        row = [f"`{t.title}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict,
+               *([cause_words(t).replace("|", "\\|")] if causes else []), num(t.ratio), num(t.max_abs_diff),
                num(t.max_ulps), str(t.classic_mismatched), num(t.condition), num(t.err_native), num(t.err_manual),
                t.nearer]
         out.append("| " + " | ".join(row) + " |")
-    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
-    if noteworthy:
-        out += ["", "```"] + [line for t in noteworthy for line in tensor_details(t)] + ["```"]
+    shown = noteworthy(report)
+    if shown:
+        out += ["", "```"] + [line for t in shown for line in tensor_details(t)] + ["```"]
     out += ["", f"**{summary_line(report)}**", ""]
     return "\n".join(out)
 

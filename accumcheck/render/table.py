@@ -11,15 +11,18 @@ from rich.table import Table
 from rich.text import Text
 
 from ..cases import Case
-from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TrajectoryReport
+from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult, TrajectoryReport
 from .text import (
     STACK_COLUMNS,
+    cause_words,
     cross_summary,
     describe,
     diff_extra_lines,
     diff_summary,
     forward_line,
+    has_causes,
     header_lines,
+    noteworthy,
     num,
     shape_text,
     stack_header_lines,
@@ -29,24 +32,37 @@ from .text import (
     tensor_details,
 )
 
-_STYLE = {"identical": "green", "round-off": "cyan", "precision-loss": "bold yellow", "diverged": "bold red",
-          "non-finite": "bold magenta", "no-gradient": "dim", "overflow": "yellow"}
+_STYLE = {"identical": "green", "round-off": "cyan", "suspicious": "yellow", "precision-loss": "bold yellow",
+          "diverged": "bold red", "non-finite": "bold magenta", "no-gradient": "dim", "overflow": "magenta"}
+
+
+def verdict_style(t: TensorResult) -> str:
+    """The verdict's colour; a marginal flagged tensor is drawn in it, not in bold."""
+    style = _STYLE.get(t.verdict, "")
+    return style.replace("bold ", "") if t.severity == "marginal" else style
 
 
 def rich_table(report: Report) -> Table:
-    """The per-parameter table: one row a tensor, the verdict and the numbers behind it."""
-    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
+    """The per-parameter table: one row a tensor, the verdict and the numbers behind it; a cause
+    column where some tensor's difference has a cause fitted."""
+    causes = has_causes(report)
+    # A cause column takes room: the columns sit two spaces apart then, not three.
+    table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False, collapse_padding=causes)
     # A long name (a model's own, or a tied one under all its names) folds; numbers never shrink.
     table.add_column("tensor", overflow="fold")
     table.add_column("kind", no_wrap=True)
     table.add_column("shape", no_wrap=True)
     # "ratio": worst |mode - E| / bound; "tol fails": elements outside torch.testing's rtol/atol.
-    for title in ("max|g|", "verdict", "ratio", "max|A-B|", "ulps", "tol fails", "cond"):
-        table.add_column(title, justify="left" if title == "verdict" else "right", no_wrap=True)
+    for title in ("max|g|", "verdict", *(("cause",) if causes else ()), "ratio", "max|A-B|", "ulps", "tol fails",
+                  "cond"):
+        # where the width is short, the cause's few words wrap at their spaces (and a long name folds)
+        table.add_column(title, justify="left" if title in ("verdict", "cause") else "right", no_wrap=title != "cause")
     for t in report.tensors:
-        table.add_row(t.title, t.kind, shape_text(t), num(t.max_abs_grad), Text(t.label, style=_STYLE[t.verdict]),
-                      num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched),
-                      num(t.condition))
+        verdict = Text(t.label, style=verdict_style(t))
+        words = Text(cause_words(t), style=verdict_style(t).replace("bold ", "") if t.cause else "dim")
+        cause = (words,) if causes else ()
+        table.add_row(t.title, t.kind, shape_text(t), num(t.max_abs_grad), verdict, *cause, num(t.ratio),
+                      num(t.max_abs_diff), num(t.max_ulps), str(t.classic_mismatched), num(t.condition))
     return table
 
 
@@ -69,9 +85,9 @@ def render_table(report: Report, console: Console) -> None:
     console.print(rich_table(report))
     if report.data_parallel is not None and not report.data_parallel.ranks_agree:
         console.print(rank_table(report))
-    noteworthy = report.flagged + [t for t in report.tensors if t.ill_conditioned and not t.flagged]
-    for t in noteworthy:
-        console.print(Text("\n".join(tensor_details(t)), style="red" if t.flagged else ""), soft_wrap=True)
+    for t in noteworthy(report):
+        style = "red" if t.flagged else "yellow" if t.verdict == "suspicious" else ""
+        console.print(Text("\n".join(tensor_details(t)), style=style), soft_wrap=True)
     style = "bold red" if report.exit_code else "bold green"
     console.print()
     console.print(Text(summary_line(report), style=style), soft_wrap=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..report import KIND_ORDER, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
+from ..report import KIND_ORDER, MARGINAL_RATIO, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
 from ..report.single import FullBatchResult, factor_text
 
 
@@ -102,37 +102,130 @@ def full_batch_line(report: Report) -> str:
             f"gradient's scale, at {f.worst_tensor}: {verdict}")
 
 
+def _kind_rank(t: TensorResult) -> int:
+    return KIND_ORDER.index(t.kind) if t.kind in KIND_ORDER else 9
+
+
+def decisive(report: Report) -> list[TensorResult]:
+    """The flagged tensors that are not marginal (severity diverged, or none recorded), in
+    ``report.flagged``'s order."""
+    return [t for t in report.flagged if t.severity != "marginal"]
+
+
+def marginal(report: Report) -> list[TensorResult]:
+    """The flagged tensors of severity marginal: within MARGINAL_RATIO times their bound with no
+    single-step explanation."""
+    return [t for t in report.flagged if t.severity == "marginal"]
+
+
+def suspicious(report: Report) -> list[TensorResult]:
+    """The suspicious tensors, embeddings and weights first, then by fault score."""
+    hits = [t for t in report.tensors if t.verdict == "suspicious"]
+    return sorted(hits, key=lambda t: (_kind_rank(t), -(t.fault_score or 0.0)))
+
+
+def noteworthy(report: Report) -> list[TensorResult]:
+    """The tensors whose details are printed: the flagged ones (decisive, then marginal), the
+    suspicious ones, then the ill-conditioned others."""
+    shown = decisive(report) + marginal(report) + suspicious(report)
+    seen = {id(t) for t in shown}
+    return shown + [t for t in report.tensors if t.ill_conditioned and id(t) not in seen]
+
+
+def has_causes(report: Report) -> bool:
+    """Some tensor's difference has a cause fitted: the tables get a cause column."""
+    return any(t.cause is not None for t in report.tensors)
+
+
+def cause_words(t: TensorResult) -> str:
+    """The cause in a table's few words, "-" where none was fitted."""
+    return t.cause.words if t.cause is not None and t.cause.words else "-"
+
+
+def _named(tensors: list[TensorResult], item, most: int) -> str:
+    more = f" and {len(tensors) - most} more" if len(tensors) > most else ""
+    return ", ".join(item(t) for t in tensors[:most]) + more
+
+
+def _flagged_item(t: TensorResult) -> str:
+    figure = (f", {num(t.ratio)}x bound" if t.verdict == "diverged" else
+              f", {num(t.err_ulps_native)} float32 ulps" if t.verdict == "precision-loss" else "")
+    cause = f", {t.cause.words}" if t.cause is not None and t.cause.words else ""
+    ranks = f", rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else ""
+    return f"{t.name} ({t.kind}, {t.verdict}{figure}{cause}{ranks})"
+
+
+def _suspicious_item(t: TensorResult) -> str:
+    if t.cause is not None and t.cause.words:
+        return f"{t.name} ({t.kind}, {t.cause.words})"
+    if t.fault_score is not None:
+        return f"{t.name} ({t.kind}, fault score {num(t.fault_score)} against {num(t.fault_score_threshold)})"
+    return f"{t.name} ({t.kind})"
+
+
+def _its(n: int) -> str:
+    return "its" if n == 1 else "their"
+
+
+def marginal_words(tensors: list[TensorResult], failing: bool) -> str:
+    """The marginal tensors in a summary: "1 marginal, within 10x its bound: name (...)"."""
+    return (f"{len(tensors)} marginal, within {MARGINAL_RATIO:g}x {_its(len(tensors))} bound"
+            + ("" if failing else ", not failing") + ": " + _named(tensors, _flagged_item, 4))
+
+
+def suspicious_words(tensors: list[TensorResult], failing: bool) -> str:
+    """The suspicious tensors in a summary: "1 suspicious, inside its bound but shaped like a
+    fault, not failing: name (...)"."""
+    return (f"{len(tensors)} suspicious, inside {_its(len(tensors))} bound but shaped like a fault"
+            + ("" if failing else ", not failing") + ": " + _named(tensors, _suspicious_item, 4))
+
+
 def summary_line(report: Report) -> str:
-    """One line: what was flagged (embeddings and weights first), or that all is faithful."""
+    """One line: what was flagged (decisive tensors first, embeddings and weights first among
+    them, then the marginal ones), what is suspicious, or that all is faithful."""
     n = len(report.tensors)
-    flagged = report.flagged
+    flagged, hard, soft, odd = report.flagged, decisive(report), marginal(report), suspicious(report)
+    failing = {id(t) for t in report.failing}  # under the run's fail_on policy
+    soft_fails, odd_fails = (any(id(t) in failing for t in group) for group in (soft, odd))
+    tail = f"; {suspicious_words(odd, odd_fails)}" if odd else ""
     if report.semantic_mismatch and not flagged:
         headline = report.full_batch.headline
         return (f"FLAGGED: the accumulated gradient is not the full batch's (loss '{report.full_batch.normalisation}'; "
-                f"every tensor is numerically faithful)" + (f": {headline}" if headline else ""))
-    if flagged:
-        named = ", ".join(f"{t.name} ({t.kind}, {t.verdict}" + (
-            f", {num(t.ratio)}x bound" if t.verdict == "diverged" else
-            f", {num(t.err_ulps_native)} float32 ulps" if t.verdict == "precision-loss" else "")
-            + (f", rank {', '.join(map(str, t.flagged_ranks))}" if t.flagged_ranks else "") + ")" for t in flagged[:8])
-        more = f" and {len(flagged) - 8} more" if len(flagged) > 8 else ""
-        return f"FLAGGED {len(flagged)} of {n} tensors: {named}{more}"
-    counts = {v: sum(t.verdict == v for t in report.tensors) for v in ("identical", "round-off", "no-gradient")}
-    ill = sum(t.ill_conditioned for t in report.tensors)
+                f"every tensor is numerically faithful)" + (f": {headline}" if headline else "") + tail)
+    counts = {v: sum(t.verdict == v for t in report.tensors)
+              for v in ("identical", "round-off", "suspicious", "no-gradient")}
     parts = [f"{c} {'no gradient' if v == 'no-gradient' else v}" for v, c in counts.items() if c]
+    if hard or soft_fails:
+        groups = ([_named(hard, _flagged_item, 8)] if hard else []) + ([marginal_words(soft, soft_fails)] if soft else [])
+        return f"FLAGGED {len(flagged)} of {n} tensors: {'; '.join(groups)}{tail}"
+    if soft:
+        return f"OK: no tensor diverged ({', '.join(parts)}); {marginal_words(soft, False)}{tail}"
     overflow = [t.name for t in report.tensors if t.verdict == "overflow"]
     if overflow:
         return (f"SKIPPED STEP: the loss-scaled micro-gradients overflowed in {len(overflow)} of {n} tensors "
                 f"({', '.join(overflow[:4])}{' ...' if len(overflow) > 4 else ''}): the GradScaler skips this "
                 f"optimizer step and lowers its scale; the others are faithful ({', '.join(parts)})")
-    text = f"OK: all {n} tensors faithful ({', '.join(parts)})"
-    return text + (f"; {ill} ill-conditioned (heavy cancellation, judged by the bound)" if ill else "")
+    if odd_fails:
+        return (f"SUSPICIOUS {len(odd)} of {n} tensors, inside {_its(len(odd))} bound but shaped like a fault: "
+                f"{_named(odd, _suspicious_item, 8)} ({', '.join(parts)})")
+    ill = sum(t.ill_conditioned for t in report.tensors)
+    text = (f"OK: all {n} tensors within their bounds ({', '.join(parts)})" if odd else
+            f"OK: all {n} tensors faithful ({', '.join(parts)})")
+    return text + (f"; {ill} ill-conditioned (heavy cancellation, judged by the bound)" if ill else "") + tail
 
 
 def tensor_details(t: TensorResult) -> list[str]:
     """torch.testing-style lines for one tensor, plus what the bound knows."""
     pct = 100.0 * t.mismatched / t.numel if t.numel else 0.0
     lines = [f"{t.title} ({t.kind}, {shape_text(t)}, {t.dtype}): {t.label}"]
+    if t.cause is not None and t.cause.detail:
+        lines.append(f"  Cause: {t.cause.detail}")
+    if t.severity == "marginal":
+        lines.append(f"  Marginal: {num(t.ratio)}x its round-off bound, within {MARGINAL_RATIO:g}x, and no single "
+                     "micro-step explains it")
+    if t.verdict == "suspicious":
+        lines.append("  Inside the worst-case bound, but its error lines up with a fault's pattern far beyond what "
+                     "round-off does under the probabilistic model")
     if t.verdict == "no-gradient":
         lines.append("  No gradient in any micro-step: the parameter is unused by these batches (nothing to judge)")
         return lines
@@ -179,9 +272,22 @@ def tensor_details(t: TensorResult) -> list[str]:
     if t.oracle_err_native is not None:
         lines.append(f"  Error against the float64 model O: native {num(t.oracle_err_native)}, "
                      f"manual {num(t.oracle_err_manual)}, E {num(t.oracle_err_exact)}")
+    lines += statistics_lines(t)
     lines.append(f"  Gradient magnitude max|E| {num(t.max_abs_grad)}, {100 * t.norm_share:.3g}% of the whole gradient's "
                  f"sum of squares; condition number S/|E| {num(t.condition)}"
                  + (" (ill-conditioned: cancellation, not a bug, while within the bound)" if t.ill_conditioned else ""))
+    return lines
+
+
+def statistics_lines(t: TensorResult) -> list[str]:
+    """The statistical tier's figures: the round-off spreads and the fault-pattern score, where it
+    looked at the tensor."""
+    lines = []
+    if t.spread_predicted is not None:
+        lines.append(f"  Round-off spread (root mean square): predicted {num(t.spread_predicted)} by the probabilistic "
+                     f"model; measured native {num(t.spread_native)}, manual {num(t.spread_manual)}")
+    if t.fault_score is not None:
+        lines.append(f"  Fault-pattern score: {num(t.fault_score)}, against the threshold {num(t.fault_score_threshold)}")
     return lines
 
 
