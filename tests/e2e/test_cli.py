@@ -39,6 +39,14 @@ def test_injected_fault_exits_one_and_names_the_tensor():
 
 
 @needs_torch
+def test_an_explained_fault_fails_also_under_fail_on_diverged_and_the_reproduce_line_keeps_it():
+    result = run_cli("compare", "--case", "shared-weight", "--inject", "repeat-step", "--fail-on", "diverged")
+    assert result.returncode == 1, result.stderr
+    assert "micro-step 8 counted twice (fit 1.000)" in result.stdout
+    assert "--inject repeat-step:shared.weight --fail-on diverged" in result.stdout
+
+
+@needs_torch
 def test_roundoff_control_exits_zero():
     result = run_cli("compare", "--case", "tiny-grads", "--inject", "roundoff")
     assert result.returncode == 0, result.stdout
@@ -67,6 +75,8 @@ def test_cases_lists_the_builtins():
     (["compare", "--output", "/nonexistent/dir/r.json"], "folder /nonexistent/dir does not exist"),
     (["compare", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["show", "/nonexistent/report.json"], "cannot read report"),
+    (["compare", "--fail-on", "never"], "argument --fail-on: 'never' is not one of suspicious, marginal, diverged"),
+    (["compare", "--strict", "--fail-on", "diverged"], "--strict fails on suspicious tensors, --fail-on diverged"),
 ])
 def test_user_mistakes_are_one_line_and_exit_two(args, fragment):
     if not HAS_TORCH and fragment.startswith(("unknown device", "no parameter")):
