@@ -191,6 +191,8 @@ FRAMEWORK = "torch " + torch.__version__'''
 
 _DETERMINISTIC = '''
 
+if THREADS:  # as accumcheck's run had it: a CPU reduction split over other threads rounds differently
+    torch.set_num_threads(THREADS)
 if DEVICE != "cpu":  # as accumcheck runs on a GPU: deterministic kernels, no TF32
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -205,11 +207,13 @@ def repro_source(config: RunConfig, report: Any, script_name: str, data_name: st
     """The reproduction script of ``config``'s run (``report``: its Report)."""
     case = config.case
     device = "cpu" if config.device == "cpu" else config.device.replace("gpu", "cuda", 1)
+    threads = report.settings.get("threads") if isinstance(report.settings.get("threads"), int) else None
     parts = FrameworkParts(
         imports=_IMPORTS, device=device,
         native_words="PyTorch's native gradient accumulation (.grad accumulating across backward())",
         manual_words="manual accumulation into a float32 buffer",
-        setup=_SETUP, body=_DETERMINISTIC + model_source(case) + _loss_source(case) + _PASSES,
+        setup=_SETUP, body=f"THREADS = {threads!r}  # torch.get_num_threads() of accumcheck's run" + _DETERMINISTIC
+        + model_source(case) + _loss_source(case) + _PASSES,
         round_total="total.to(torch.bfloat16).to(total.dtype)",
         details="" if device == "cpu" else f" ({device})")
     return script(config, report, parts, script_name, data_name, shrunk_from)
