@@ -46,7 +46,7 @@ def _label_offsets() -> list[tuple[float, float]]:
 
 
 def _unlabelled(n: int) -> str:
-    return f"{n} more ringed tensor(s) not labelled: see the table"
+    return f"{n} more ringed\ntensor(s) not\nlabelled: see\nthe table"
 
 
 def _place_labels(fig: Any, ax: Any, labels: list[tuple[float, float, str, str]], points: list[tuple[float, float]],
@@ -152,11 +152,11 @@ def scatter(report: Report) -> Any:
         wanted = [t for t in decisive(report) + marginal(report) + suspicious(report) if id(t) in drawn]
         labels = [(t.bound_at_worst, t.ratio * t.bound_at_worst, _point_label(t),
                    FLAGGED_COLOUR if t.flagged else SUSPICIOUS_COLOUR) for t in wanted[:LABELLED]]
-        # the note on what was left unlabelled keeps its corner free of labels; its count comes after
-        note = ax.text(0.99, 0.01, _unlabelled(len(wanted)), ha="right", va="bottom", transform=ax.transAxes,
-                       fontsize=9, color="#444444", bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"))
-        unlabelled = len(wanted) - len(labels) + _place_labels(fig, ax, labels, [(x, y) for x, y, _ in points],
-                                                               [note])
+        # what was left unlabelled is said under the legend, off the points; the layout keeps room for
+        # the note before the labels are placed, its count comes after
+        note = ax.text(1.02, 0.0, _unlabelled(len(wanted)), ha="left", va="bottom", transform=ax.transAxes,
+                       fontsize=9, color="#444444")
+        unlabelled = len(wanted) - len(labels) + _place_labels(fig, ax, labels, [(x, y) for x, y, _ in points])
         if unlabelled:
             note.set_text(_unlabelled(unlabelled))
         else:
@@ -226,7 +226,7 @@ def growth(reports: Sequence[Report]) -> Any:
     plt = _pyplot()
     from matplotlib.ticker import NullFormatter, NullLocator
 
-    fig, ax = plt.subplots(figsize=(8, 6), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
     steps = [r.accum_steps for r in reports]
     rows = growth_rows(reports)
     for kind, colour in KIND_COLOURS.items():
@@ -252,14 +252,14 @@ def growth(reports: Sequence[Report]) -> Any:
         if kinds:
             exact.append(f"N = {row['N']}" if len(kinds) == len(row["kinds"]) else f"{', '.join(kinds)} at N = {row['N']}")
     if exact:
-        ax.text(0.99, 0.01, f"exact (no error), not drawn: {'; '.join(exact)}", ha="right", va="bottom",
-                transform=ax.transAxes, fontsize=9, color="#444444")
+        ax.text(1.02, 0.0, "exact (no error), not drawn:\n" + "\n".join(exact), ha="left", va="bottom",
+                transform=ax.transAxes, fontsize=9, color="#444444")  # under the legend, off the lines
     ax.set_xlabel("accumulation steps N")
     ax.set_ylabel("worst |mode − E| / (u·S)   (u: unit round-off)")
     first = reports[0]
     ax.set_title(f"{first.case}, {first.framework}: error growth with N")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="upper left", ncol=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)  # beside the lines, never over them
     return fig
 
 

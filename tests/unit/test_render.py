@@ -223,7 +223,7 @@ def test_the_scatter_labels_never_overlap_nor_leave_the_axes():
                          for b in boxes)
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     left = 14 - len(boxes)
-    assert left and f"{left} more ringed tensor(s) not labelled: see the table" in _texts(fig)
+    assert left and f"{left} more ringed\ntensor(s) not\nlabelled: see\nthe table" in _texts(fig)
 
 
 def _trajectory(band: dict[str, list[float]], steps: int = 4, **fields) -> TrajectoryReport:
@@ -288,7 +288,7 @@ def test_the_growth_plot_ticks_the_n_that_ran_and_says_what_was_exact():
     fig.canvas.draw()
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "4", "16"]
-    assert any(t.get_text().startswith("exact (no error), not drawn: N = 1") for t in ax.texts)
+    assert any(t.get_text() == "exact (no error), not drawn:\nN = 1" for t in ax.texts)
 
 
 @pytest.fixture(autouse=True)
