@@ -133,12 +133,16 @@ def fault_source(fault: Fault | None, accum_steps: int, round_total: str) -> str
     check_fault_kind(fault.kind)
     body = "\n".join("    " + line for line in _CONTRIBUTIONS[fault.kind](fault, accum_steps))
     after = f"return {round_total}  # rounded to bfloat16" if fault.kind == "bf16" else "return total"
+    why = ("a valid summation order, which the check must pass" if fault.kind == "roundoff" else
+           "to show that the check catches it")
+    said = textwrap.fill(f"accumcheck ran with --inject {fault.target}: {fault_words(fault)}. The lines below put "
+                         f"that fault into the native accumulation on purpose, {why}. Set FAULT_PARAM = None to "
+                         "run without it.", 96, initial_indent="# ",
+                         subsequent_indent="# ", break_on_hyphens=False)
+    block = "\nBLOCK = [None]  # the block of micro-steps summed so far" if fault.kind == "roundoff" else ""
     return f'''# ------------------------------------------------------------------------ the injected fault
-# accumcheck ran with --inject {fault.target}: {fault_words(fault)}.
-# The lines below put that fault into the native accumulation on purpose, to show that the check
-# catches it. Set FAULT_PARAM = None and the script reports agreement.
-FAULT_PARAM = {fault.param!r}
-BLOCK = [None]
+{said}
+FAULT_PARAM = {fault.param!r}{block}
 
 
 def contribution(k, grad, total):
@@ -237,6 +241,7 @@ from pathlib import Path
 {parts.setup}
 import numpy as np
 {parts.imports}
+
 # ----------------------------------------------------------------------------------- the run
 CASE = {case.name!r}
 N = {config.accum_steps}  # micro-steps accumulated
@@ -361,6 +366,6 @@ if __name__ == "__main__":
 def script(config: RunConfig, report: Any, parts: FrameworkParts, script_name: str, data_name: str,
            shrunk_from: str | None = None) -> str:
     """The whole reproduction script."""
-    return "\n".join([head(config, report, parts, script_name, data_name, shrunk_from),
-                      fault_source(config.fault, config.accum_steps, parts.round_total),
-                      parts.body, JUDGE])
+    sections = [head(config, report, parts, script_name, data_name, shrunk_from),
+                fault_source(config.fault, config.accum_steps, parts.round_total), parts.body, JUDGE]
+    return "\n\n\n".join(section.strip("\n") for section in sections) + "\n"

@@ -7,8 +7,9 @@ occurs and then one layer's width (units, dims), halve attention heads, drop one
 weight, halve the vocabulary, the features, the batch and the sequence length. A reduction is
 kept when the case still builds and a run (``trial``: the same framework, device, fault and
 options) still flags the tensor the report was about, or else a tensor of the same kind; the
-reductions then start again from the smaller case, until none helps or the trials run out. Every
-kept case is no larger than the one before in every measure (``size``) and smaller in one.
+reductions then start again from the smaller case (those that lost the finding once are tried
+last), until none helps or the trials run out. Every kept case is no larger than the one before
+in every measure (``size``) and smaller in one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .casefile import parse_case
 from .cases import Case, CaseError
 from .errors import AccumcheckError
 
-MAX_TRIALS = 40  # runs a shrink may spend
+MAX_TRIALS = 48  # runs a shrink may spend
 MIN_STEPS = 2  # below it no running total exists for a fault (or a bug) to act on
 
 Trial = Callable[[Case, int], Any]  # (case, N) -> the run's Report; AccumcheckError where it cannot run
@@ -200,8 +201,10 @@ def shrink(case: Case, accum_steps: int, trial: Trial, target: tuple[str, str], 
     before = size(case, accum_steps)
     result = ShrinkResult(case, accum_steps, target, before=before, after=before)
     rejected: set[tuple[str, int]] = set()
+    failed: set[str] = set()  # reductions that lost the finding once are tried after the others
     while result.trials < max_trials:
-        for what, reduced, n in reductions(doc, result.accum_steps, min_steps):
+        candidates = sorted(reductions(doc, result.accum_steps, min_steps), key=lambda c: c[0] in failed)
+        for what, reduced, n in candidates:
             reduced = dict(reduced, accum_steps=n)
             try:
                 candidate = parse_case(case_toml(reduced), source)
@@ -218,6 +221,7 @@ def shrink(case: Case, accum_steps: int, trial: Trial, target: tuple[str, str], 
                 hit = None
             if hit is None:
                 rejected.add((candidate.text, n))
+                failed.add(what)
                 if result.trials >= max_trials:
                     break
                 continue
@@ -230,4 +234,8 @@ def shrink(case: Case, accum_steps: int, trial: Trial, target: tuple[str, str], 
             break
         else:
             break  # no reduction kept the finding
+    if result.kept:  # the case says where it came from
+        doc["description"] = (f"{case.name} shrunk by accumcheck compare --shrink: {summary(before, result.after)}; "
+                              f"{result.target[0]} still flagged.")
+        result.case = parse_case(case_toml(doc), source)
     return result

@@ -40,5 +40,67 @@ fi
 if ! ACCUMCHECK_MX19="$new" "$venv/bin/python" ci/figures.py --group mxnet-1.6.0; then
     echo "FAIL: the documentation's MXNet 1.6.0 figures differ from this run"; failed=1
 fi
-[ "$failed" -eq 0 ] && echo "mxnet_16708: 4 passed, 0 failed" || echo "mxnet_16708: FAILED"
+
+# The bug report's reproduction: accumcheck under 1.6.0 writes a script that needs only mxnet and
+# numpy. In a virtual environment holding nothing else it must show the divergence on 1.6.0 (exit 1)
+# and agreement on 1.9.1 (exit 0).
+repro=$(mktemp -d)
+"$venv/bin/accumcheck" compare --framework mxnet --case shared-weight --repro "$repro/repro.py" \
+    --format json --output "$reports/repro-run.json" 2>"$repro/write.txt"
+tail -n 1 "$repro/write.txt"
+bare() {  # a virtual environment with mxnet $1 and numpy alone
+    python3 -m venv "$repro/venv-$1" && "$repro/venv-$1/bin/pip" install -q "mxnet==$1" 'numpy<1.24' \
+        >"$repro/pip-$1.txt" 2>&1 || {
+        cat "$repro/pip-$1.txt"; echo "mxnet_16708: could not install mxnet $1 on its own" >&2; exit 2; }
+    if (cd "$repro" && "$repro/venv-$1/bin/python" -c "import accumcheck" 2>/dev/null); then
+        echo "FAIL: the bare mxnet $1 environment has accumcheck"; failed=1
+    fi
+}
+bare 1.6.0
+bare 1.9.1
+(cd "$repro" && "$repro/venv-1.6.0/bin/python" repro.py) >"$repro/run-1.6.0.txt" 2>&1
+old_repro_rc=$?
+(cd "$repro" && "$repro/venv-1.9.1/bin/python" repro.py) >"$repro/run-1.9.1.txt" 2>&1
+new_repro_rc=$?
+tail -n 1 "$repro/run-1.6.0.txt"
+tail -n 1 "$repro/run-1.9.1.txt"
+if [ "$old_repro_rc" -ne 1 ] || ! grep -q "^DIVERGED: .*shared.weight" "$repro/run-1.6.0.txt" \
+     || ! grep -q "^shared.weight .* beyond the bound" "$repro/run-1.6.0.txt"; then
+    echo "FAIL: the repro script under mxnet 1.6.0 alone exited $old_repro_rc, expected 1 with shared.weight diverged"
+    cat "$repro/run-1.6.0.txt"; failed=1
+fi
+if [ "$new_repro_rc" -ne 0 ] || ! grep -q "^AGREE: " "$repro/run-1.9.1.txt" \
+     || ! grep -q "^shared.weight .* within the bound" "$repro/run-1.9.1.txt"; then
+    echo "FAIL: the repro script under mxnet 1.9.1 alone exited $new_repro_rc, expected 0 with agreement"
+    cat "$repro/run-1.9.1.txt"; failed=1
+fi
+
+# --shrink under 1.6.0: the smallest case that still shows the bug, no larger than shared-weight at
+# its own N in any measure, smaller in one, and flagged when run again.
+mkdir -p "$repro/shrunk"
+"$venv/bin/accumcheck" compare --framework mxnet --case shared-weight --repro "$repro/shrunk/repro.py" --shrink \
+    --format json --output "$reports/shrink-run.json" 2>"$repro/shrink.txt"
+shrink_rc=$?
+grep "^shrunk " "$repro/shrink.txt"
+"$venv/bin/accumcheck" compare --framework mxnet --case "$repro/shrunk/repro.toml" --format json \
+    --output "$reports/shrunk.json"
+shrunk_rc=$?
+(cd "$repro/shrunk" && "$repro/venv-1.6.0/bin/python" repro.py) >"$repro/run-shrunk.txt" 2>&1
+shrunk_script_rc=$?
+if [ "$shrink_rc" -ne 1 ] || [ "$shrunk_rc" -ne 1 ] || [ "$shrunk_script_rc" -ne 1 ] \
+     || ! "$venv/bin/python" - "$repro/shrunk/repro.toml" <<'PY'
+import sys
+from accumcheck.casefile import builtin_case, load_case
+from accumcheck.shrink import size
+original, shrunk = builtin_case("shared-weight"), load_case(sys.argv[1])
+before, after = size(original, original.accum_steps), size(shrunk, shrunk.accum_steps)
+print("shrunk case:", ", ".join(f"{m} {before[m]} -> {after[m]}" for m in before))
+sys.exit(not (all(after[m] <= before[m] for m in before) and after != before))
+PY
+then
+    echo "FAIL: --shrink under mxnet 1.6.0 (exit $shrink_rc), its case rerun (exit $shrunk_rc) and its script" \
+         "(exit $shrunk_script_rc) must all be flagged (1), the case smaller than shared-weight"
+    cat "$repro/shrink.txt"; failed=1
+fi
+[ "$failed" -eq 0 ] && echo "mxnet_16708: 7 passed, 0 failed" || echo "mxnet_16708: FAILED"
 exit "$failed"

@@ -186,7 +186,6 @@ _SETUP = '''os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deter
 _IMPORTS = '''import torch
 import torch.nn.functional as F
 
-
 FRAMEWORK = "torch " + torch.__version__'''
 
 _DETERMINISTIC = '''
