@@ -256,12 +256,13 @@ class TensorExamination:
             for step, coef, ratio in [(best.step, best.coef, 1.0), *best.same]:
                 v = best.vector
                 whole = round(coef)
+                held = len(found)
                 if whole != 0 and whole >= -1 and (family == "step" or whole >= 1):
                     kind = "drop-step" if whole == -1 else ("repeat-step" if family == "step" else "running-total")
                     scaled = whole * ratio  # this reading as a coefficient of the primary's pattern
                     consider(self._cause(mode, kind, step, float(whole), fit.fit_of(scaled, v),
                                          self._residual(mode, scaled, v)))
-                if family == "step":
+                if family == "step" and len(found) == held:  # a whole count that holds says it better
                     consider(self._cause(mode, "scale-step", step, coef, fit.fit_of(best.coef, v),
                                          self._residual(mode, best.coef, v)))
         c, share = fit.coefficient(self.exact)

@@ -219,3 +219,9 @@ def test_elements_left_out_of_the_score_are_left_out_of_both_its_sides():
                      F32)
     t = tensor_of(running(grads[[0, 2, 4, 1, 3]]), grads)
     assert t.verdict == "round-off" and t.fault_score < t.fault_score_threshold
+
+
+def test_a_whole_count_is_not_repeated_as_a_scale_of_the_same_step():
+    grads = micro()
+    t = tensor_of(running(grads, FAULTS["repeat-step"][0]), grads)
+    assert t.cause.words == "step 8 counted twice" and not t.cause.alternatives

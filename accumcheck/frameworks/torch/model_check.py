@@ -18,7 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -153,9 +153,34 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
                "grad_scaler": "<your GradScaler>" if grad_scaler is not None else None,
                "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
     loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
+
+    def replay(names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+        """The micro-gradients of ``names`` again, as the first pass computed them (the judge's
+        second pass); the model is put back as found after it, also when it stops midway."""
+        again = _ModelState(model, params)
+        try:
+            with deterministic(where, warn_only=True), isolated(where):
+                _set_mode(model, train_mode)
+                loss_of = step_loss(model, uniform, cast, scale)
+                for index in range(steps):
+                    for p in params.values():
+                        p.grad = None
+                    loss_of(index).backward()
+                    yield {name: _unscaled(params[name], scale) for name in names}
+                    if progress is not None:
+                        progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
+        finally:
+            again.restore()
+
     return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
                         config={"model": type(model).__name__, "loss": loss,
-                                **{k: v for k, v in options.items() if v is not None}})
+                                **{k: v for k, v in options.items() if v is not None}}, replay=replay)
+
+
+def _unscaled(param: Any, scale: float | None) -> np.ndarray:
+    """A parameter's micro-gradient on the host, divided by the loss scale (a power of two: exact)."""
+    grad = to_numpy(param.grad) if param.grad is not None else np.zeros(tuple(param.shape), np.float32)
+    return grad / np.asarray(scale, grad.dtype) if scale is not None else grad.copy()
 
 
 def _check_arguments(loss_fn: Any, batches: Any, step: Any, mode: str, grad_scaler: Any, full_batch: Any,

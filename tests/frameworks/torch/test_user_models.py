@@ -8,6 +8,7 @@ import accumcheck
 
 torch = pytest.importorskip("torch")
 import accumcheck.torch  # noqa: E402
+from attribution_checks import assert_explained  # noqa: E402
 from zoo import GPT, GPTConfig, ResNet18, gpt_batches, image_batches, tiny_llama, token_batches  # noqa: E402
 
 from accumcheck.options import FAULT_KINDS  # noqa: E402
@@ -49,11 +50,16 @@ def flagged(report):
 
 
 def check_faults(model, target, **kwargs):
-    """Every fault kind on ``target``: flagged there and only there; the round-off control not."""
+    """Every fault kind on ``target``: flagged there and only there, and explained by the second
+    pass (which leaves the model as found); the round-off control not."""
     for kind in FAULTS:
+        before = state(model)
         report = accumcheck.torch.check(model, accum_steps=N, inject=f"{kind}:{target}", **kwargs)
         assert flagged(report) == [target], (kind, [(t.name, t.verdict) for t in report.flagged])
         assert report.exit_code == 1
+        assert_same_state(before, state(model))
+        if report.tensors[0].dtype == "float32" or report.config.get("mode"):  # a float32 sum: the fault's pattern
+            assert_explained(report.flagged[0], kind, N)
     control = accumcheck.torch.check(model, accum_steps=N, inject=f"roundoff:{target}", **kwargs)
     assert control.exit_code == 0 and control.inject.startswith("roundoff")
 
