@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from .blockstate import (
     unique_params,
 )
 from .library import mx
-from .passes import manual_pass, native_pass
+from .passes import manual_pass, micro_steps, native_pass, set_grad_req
 from .run import KERNEL_ALLOWANCE
 
 CPP_TRACEBACK = ("Traceback (most recent call last)", "  File ")
@@ -107,13 +107,37 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                         force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
         grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode)
-    settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode}
-    run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings)
-    loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
-    options = {"inject": inject, "train_mode": train_mode or None}
-    return build_report(None, run, steps, fault, False, time.perf_counter() - started,
-                        config={"model": type(block).__name__, "loss": loss,
-                                **{k: v for k, v in options.items() if v is not None}})
+        settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode}
+        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings)
+        loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
+        options = {"inject": inject, "train_mode": train_mode or None}
+        # Judged while deferred parameters are still initialised: the second pass runs the block again.
+        return build_report(None, run, steps, fault, False, time.perf_counter() - started,
+                            config={"model": type(block).__name__, "loss": loss,
+                                    **{k: v for k, v in options.items() if v is not None}},
+                            replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
+
+
+def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int,
+            progress: Progress | None, train_mode: bool, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    """The manual pass's micro-gradients of ``names`` again (the judge's second pass): grad_req
+    'write', every gradient zeroed around each micro-step, from the auxiliary state as found; the
+    block as found afterwards."""
+    refresh = partial(clear_cached_ops, block)
+    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
+        aux.restore()
+        set_grad_req(params, {}, "write", refresh)
+        for param in params.values():
+            param.zero_grad()
+        try:
+            for index, _ in micro_steps(micro, steps, []):
+                yield {name: params[name].grad().asnumpy() for name in names}
+                for param in params.values():
+                    param.zero_grad()
+                if progress is not None:
+                    progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
+        except mx.base.MXNetError as exc:
+            raise model_error(_readable(exc), micro.index, "the backward pass", GLUON_CALLS) from exc
 
 
 class MicroStep:
