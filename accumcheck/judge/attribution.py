@@ -160,10 +160,11 @@ class TensorExamination:
         np.divide(1.0, absum * absum, out=weight, where=absum > 0)
         self.absum_rms = math.sqrt(float(np.mean(absum * absum))) if absum.size else 0.0
         self.modes: dict[str, _ModeFit] = {}
+        independent = _independent(exact, absum)
         for mode in modes:
             values = np.asarray(getattr(item, mode), np.float64).reshape(-1)
             u = item.units[mode]
-            stat = _independent(exact, absum) & (absum * u >= SMALLEST_NORMAL["float32"])
+            stat = independent & (absum * u >= SMALLEST_NORMAL["float32"])
             sigma2 = _variance_proxy(absum, accum_steps, u, item.bounds[mode], self.absum_rms)
             self.modes[mode] = _ModeFit(values - exact, weight, sigma2, stat, u, absum)
         self.prefix = np.zeros_like(exact)
