@@ -25,13 +25,12 @@ from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .faults import Fault, resolve_fault
-from .files import write_atomic
 from .judge import agreement, build_report, forward_agreement
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
 from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .registry import backend_names, get_backend, installed_backends
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
-from .repro import ReproFiles, check_request, target_of
+from .repro import ReproFiles, check_request, target_of, write_text
 from .repro import write as write_script
 from .shrink import MAX_TRIALS, case_toml
 from .shrink import shrink as shrink_case
@@ -217,7 +216,8 @@ def write_repro(report: Report, config: RunConfig, path: str | Path, *, shrink: 
             case_text, report = result.case.text, result.report
             config = dataclasses.replace(config, case=result.case, accum_steps=result.accum_steps,
                                          fault=_fault_for(config.fault, result.case, result.accum_steps))
-        write_atomic(files.case, case_text)
+        write_text(files.case, case_text)
+        files = dataclasses.replace(files, shrunk=True)
     write_script(files, config, report, shrunk_from)
     return files
 

@@ -208,9 +208,7 @@ def _repro(report: Report, config: Any, args: argparse.Namespace) -> None:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    files = api.write_repro(report, config, args.repro, shrink=args.shrink, log=say)
-    beside = f"{files.data}" + (f", the case {files.case}" if files.case.is_file() and args.shrink else "")
-    say(f"reproduction written: {files.script} (with {beside}); run it with: python {files.script}")
+    say(api.write_repro(report, config, args.repro, shrink=args.shrink, log=say).says())
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -37,10 +37,12 @@ class ReproFiles:
     script: Path
     data: Path
     case: Path
+    shrunk: bool = False  # whether the case was written
 
-    @property
-    def written(self) -> list[Path]:
-        return [path for path in (self.script, self.data, self.case) if path.is_file()]
+    def says(self) -> str:
+        """One line for whoever asked: what was written, and how to run it."""
+        case = f", the case {self.case}" if self.shrunk else ""
+        return f"reproduction written: {self.script} (with {self.data}{case}); run it with: python {self.script}"
 
 
 def repro_files(path: str | Path) -> ReproFiles:
@@ -113,6 +115,13 @@ def case_arrays(case: Case, accum_steps: int) -> dict[str, np.ndarray]:
 
 def write_data(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """``arrays`` as a compressed .npz at ``path``, replaced atomically."""
+    try:
+        _write_bytes(path, arrays)
+    except OSError as exc:
+        raise AccumcheckError(f"--repro: cannot write {path} ({exc.strerror}); choose another path") from None
+
+
+def _write_bytes(path: Path, arrays: dict[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     check_replaceable(path)
@@ -135,11 +144,16 @@ def write(files: ReproFiles, config: RunConfig, report: Any, shrunk_from: str | 
         raise AccumcheckError("--repro: a script reproduces a built-in case or case file, not your own model")
     source = get_backend(config.framework).repro_source(config, report, files.script.name, files.data.name,
                                                         shrunk_from)
+    write_data(files.data, case_arrays(config.case, config.accum_steps))
+    write_text(files.script, source)
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` to ``path`` atomically; AccumcheckError naming it where it cannot be written."""
     try:
-        write_data(files.data, case_arrays(config.case, config.accum_steps))
-        write_atomic(files.script, source)
+        write_atomic(path, text)
     except OSError as exc:
-        raise AccumcheckError(f"--repro {files.script}: cannot write ({exc.strerror}); choose another path") from None
+        raise AccumcheckError(f"--repro: cannot write {path} ({exc.strerror}); choose another path") from None
 
 
 def target_of(report: Any, fault_param: str | None) -> tuple[str, str] | None:

@@ -18,6 +18,42 @@ from accumcheck.validation import configure
 
 STDLIB = {"argparse", "math", "os", "sys", "pathlib"}
 
+# A case file with what generated code must survive: a name with a space, layer names with '-',
+# quotes and a backslash in the description, a conditional branch inside a block, attention with
+# biases and an output layer tied to the embedding.
+ODD_CASE = r'''name = "odd names"
+description = "Odd: \"\"\" triple quotes, a back\\slash"
+seed = 7
+accum_steps = 4
+
+[input]
+kind = "tokens"
+vocab = 11
+seq_len = 5
+min_len = 2
+batch_size = 3
+
+[[layers]]
+type = "embedding"
+name = "tok-embed"
+dim = 8
+
+[[layers]]
+type = "block"
+name = "blk"
+body = [
+  { type = "residual", name = "res", body = [ { type = "attention", name = "att", heads = 2, bias = true },
+                                             { type = "activation", name = "g", fn = "gelu" } ] },
+  { type = "conditional", name = "cond", every = 2, body = [ { type = "dense", name = "ffn-in", units = 8, bias = false },
+                                                            { type = "activation", name = "t", fn = "tanh" } ] },
+]
+
+[[layers]]
+type = "tied_output"
+name = "head"
+tie = "tok-embed"
+'''
+
 
 def write_case_script(folder: Path, framework: str, case: str, inject: str | None = None,
                       steps: int | None = 4, **options):

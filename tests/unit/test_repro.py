@@ -323,3 +323,17 @@ units = 100
     assert calls and all(measures[m] <= before[m] for measures, _ in calls for m in before)
     assert "narrow" in [layer.name for layer in result.case.layers]
     assert all(result.after[m] <= before[m] for m in before) and result.after["parameters"] < before["parameters"]
+
+
+def test_a_write_that_fails_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    import accumcheck.repro as repro
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(repro.tempfile, "mkstemp", refuse)
+    with pytest.raises(AccumcheckError, match=r"--repro: cannot write .*r.npz \(No space left on device\)"):
+        write_data(tmp_path / "r.npz", {"a": np.zeros(2)})
+    files = repro_files(tmp_path / "r.py")
+    assert files.says() == f"reproduction written: {files.script} (with {files.data}); run it with: python {files.script}"
+    assert ", the case " in dataclasses.replace(files, shrunk=True).says()

@@ -4,7 +4,7 @@ what accumcheck said and computes the very same gradients, hybridized or not."""
 from __future__ import annotations
 
 import pytest
-from repro_checks import assert_reproduces, run_script, write_case_script
+from repro_checks import ODD_CASE, assert_reproduces, run_script, write_case_script
 
 from accumcheck.casefile import builtin_case_names
 from accumcheck.options import FAULT_KINDS
@@ -23,6 +23,17 @@ def test_an_imperative_run_is_reproduced_imperatively(tmp_path, case):
     assert_reproduces(tmp_path, "mxnet", case, "double-step", steps=4, hybridize=False)
     text = (tmp_path / "repro.py").read_text()
     assert "HYBRIDIZE = False" in text and "imperative" in text
+
+
+
+@pytest.mark.parametrize("options", [{"loss_reduction": "token_count"}, {"loss_reduction": "sum", "seed": 5}])
+def test_every_loss_normalisation_reproduces(tmp_path, options):
+    assert_reproduces(tmp_path, "mxnet", "padded-tokens", "drop-step", steps=4, **options)
+
+
+def test_a_case_file_with_odd_names_reproduces(tmp_path):
+    (tmp_path / "odd.toml").write_text(ODD_CASE)
+    assert_reproduces(tmp_path, "mxnet", str(tmp_path / "odd.toml"), "scale", steps=4)
 
 
 @pytest.mark.slow

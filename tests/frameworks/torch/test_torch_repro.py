@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from repro_checks import assert_reproduces, run_script, write_case_script
+from repro_checks import ODD_CASE, assert_reproduces, run_script, write_case_script
 
 import accumcheck
 from accumcheck import api
@@ -21,6 +21,17 @@ pytest.importorskip("torch")
 @pytest.mark.parametrize("case", builtin_case_names())
 def test_every_case_reproduces_bit_for_bit(tmp_path, case, inject):
     assert_reproduces(tmp_path, "torch", case, inject, steps=4)
+
+
+
+@pytest.mark.parametrize("options", [{"loss_reduction": "token_count"}, {"loss_reduction": "sum", "seed": 5}])
+def test_every_loss_normalisation_reproduces(tmp_path, options):
+    assert_reproduces(tmp_path, "torch", "padded-tokens", "drop-step", steps=4, **options)
+
+
+def test_a_case_file_with_odd_names_reproduces(tmp_path):
+    (tmp_path / "odd.toml").write_text(ODD_CASE)
+    assert_reproduces(tmp_path, "torch", str(tmp_path / "odd.toml"), "scale", steps=4)
 
 
 @pytest.mark.slow
