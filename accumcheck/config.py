@@ -5,7 +5,7 @@ options ``accumcheck.options`` specifies. A report keeps ``RunConfig.record()``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .cases import Case
@@ -56,15 +56,23 @@ class RunConfig:
 
     def record(self) -> dict[str, Any]:
         """The options as plain data: what a report keeps so that ``command_line`` reruns it."""
-        values = {option.name: getattr(self, option.name, None) for option in RUN_OPTIONS}
+        # Options that are not the run's own (--repro writes a file beside it; --strict is a
+        # fail_on) are not kept; fail_on only where it is not the default, as reports before it had none.
+        values = {option.name: getattr(self, option.name) for option in RUN_OPTIONS
+                  if option.name in _FIELDS and option.name != "strict"}
         values.update(framework=",".join(self.frameworks), case=case_source_argument(self.case),
                       seed=self.case.seed, inject=None if self.fault is None else self.fault.target)
         if self.full_batch:  # the normalisation is what a full-batch check is about: say it
             values["loss_reduction"] = self.case.loss_reduction
         if not self.force:  # a setting of the machine's limits, not of the run: kept only when it was needed
             del values["force"]
+        if self.fail_on == "marginal":
+            del values["fail_on"]
         values["backend_options"] = dict(self.backend_options)
         return values
+
+
+_FIELDS = {f.name for f in fields(RunConfig)}
 
 
 def case_source_argument(case: Case) -> str:
