@@ -2,7 +2,8 @@
 
 ``statistics`` (the compiled per-tensor pass), ``ratio`` (the one bound ratio), ``verdicts``
 (tensor verdicts and the Report), ``dataparallel`` (ranks and the single-process reference),
-``agreement`` (two frameworks), ``fullbatch`` (the accumulated gradient against the whole
+``attribution`` and ``secondpass`` (why a tensor left its bound, and the statistical tier below
+it, from the run's micro-gradients replayed), ``agreement`` (two frameworks), ``fullbatch`` (the accumulated gradient against the whole
 batch's: equivalent, a constant factor, or a weighting). Nothing here imports a deep-learning
 framework.
 """

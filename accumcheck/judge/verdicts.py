@@ -29,10 +29,11 @@ from ..faults import Fault
 from ..report import Report, TensorResult
 from ..version import __version__
 from . import dataparallel
-from .attribution import Examined, Replay, examine, severity, spreads, wanted
+from .attribution import Examined, Replay
 from .dataparallel import RankChecks
 from .fullbatch import full_batch_verdict
 from .ratio import ratio_map, unravel
+from .secondpass import examine, severity, spreads, wanted
 from .statistics import tensor_figures
 
 # A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative

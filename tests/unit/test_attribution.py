@@ -7,7 +7,8 @@ import pytest
 from accumcheck.backend import ParamAccumulation, RunResult
 from accumcheck.faults import round_to_bfloat16
 from accumcheck.judge import build_report
-from accumcheck.judge.attribution import FALSE_ALARM, describe, severity
+from accumcheck.judge.attribution import FALSE_ALARM, describe
+from accumcheck.judge.secondpass import severity
 from accumcheck.report import Cause
 
 F32 = np.float32
