@@ -34,7 +34,7 @@ def failure_message(report: Report | CrossReport | StackReport) -> str:
         return "\n".join(lines)
     where = f"case {report.case}, {report.framework} on {report.device}, N = {report.accum_steps}"
     lines = [f"Gradient accumulation is not faithful ({where}): {summary_line(report)}", ""]
-    for t in report.flagged:
+    for t in report.failing:  # the flagged tensors, and the suspicious ones where they fail the run
         lines += [line.strip() for line in tensor_details(t)] + [""]
     lines.append(f"Reproduce: {report.reproduce_command()}")
     return "\n".join(lines)

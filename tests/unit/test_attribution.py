@@ -226,3 +226,15 @@ def test_a_whole_count_is_not_repeated_as_a_scale_of_the_same_step():
     grads = micro()
     t = tensor_of(running(grads, FAULTS["repeat-step"][0]), grads)
     assert t.cause.words == "step 8 counted twice" and not t.cause.alternatives
+
+
+def test_a_failing_suspicious_tensor_is_in_the_assertion_message():
+    import accumcheck
+
+    grads = micro(steps=32)
+    report = report_of(running(grads, lambda k, g, tot: g * F32(1 + 3e-6) if k == 16 else g), grads)
+    assert report.tensors[0].verdict == "suspicious"
+    accumcheck.assert_faithful(report)  # not failing by default
+    report.config["fail_on"] = "suspicious"
+    with pytest.raises(AssertionError, match="micro-step 16 scaled by 1"):
+        accumcheck.assert_faithful(report)
