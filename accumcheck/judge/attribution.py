@@ -271,7 +271,7 @@ class TensorExamination:
         for r, total in self.growth.items():
             if np.isfinite(total).all():
                 cause = self._growth(mode, fit, r, total)
-                if abs(cause.grad_scale or 0.0) >= 0.01:  # else it is the whole sum scaled, said more simply
+                if cause is not None and abs(cause.grad_scale or 0.0) >= 0.01:  # else the sum scaled, said simply
                     consider(cause)
         for dtype, total in self.narrow.items():
             predicted = total.astype(np.float64) - self.exact
@@ -297,25 +297,33 @@ class TensorExamination:
                      f"{mode}: a difference the accumulation of the same micro-gradients cannot explain, "
                      f"not a single-step fault{nearest}", share, math.inf)
 
-    def _growth(self, mode: str, fit: _ModeFit, r: int, total: np.ndarray) -> Cause:
-        """e ~ a T + b E, weighted least squares in two unknowns."""
+    def _growth(self, mode: str, fit: _ModeFit, r: int, total: np.ndarray) -> Cause | None:
+        """e ~ a T + b E, weighted least squares in two unknowns; None where T has outgrown float64."""
+        peak = float(np.max(np.abs(total))) if total.size else 0.0
+        amplified = self.growth_scale[r]
+        if not 0.0 < peak < math.inf or not np.isfinite(amplified).all():
+            return None
+        t = total / peak  # T in units of its largest element: its squares stay finite
         w = fit.weight
-        wt, we_ = w * total, w * self.exact
-        gram = np.array([[wt @ total, wt @ self.exact], [we_ @ total, we_ @ self.exact]])
-        rhs = np.array([fit.we @ total, fit.we @ self.exact])
+        wt, we_ = w * t, w * self.exact
+        gram = np.array([[wt @ t, wt @ self.exact], [we_ @ t, we_ @ self.exact]])
+        rhs = np.array([fit.we @ t, fit.we @ self.exact])
         try:
-            a, b = np.linalg.solve(gram, rhs)
+            a_unit, b = np.linalg.solve(gram, rhs)
         except np.linalg.LinAlgError:
-            a, b = 0.0, 0.0
-        v = a * total + b * self.exact
+            return None
+        v = a_unit * t + b * self.exact
         # Each step rounds its product and its sum (at most 2u |a T_k| each), and later steps
         # multiply those errors by r again.
         u = self.item.units[mode]
-        rounded = 2.0 * u * (1.0 + gamma(self.n, u)) * abs(a) * self.growth_scale[r]
+        rounded = 2.0 * u * (1.0 + gamma(self.n, u)) * abs(a_unit) * (amplified / peak)
+        if not (np.isfinite(v).all() and np.isfinite(rounded).all()):
+            return None
+        a = float(a_unit / peak)
         cause = self._cause(mode, "growth", None, float(r), fit.fit_of(1.0, v),
                             self._residual(mode, 1.0, v, rounded))
-        cause.grad_scale = float(a)
-        cause.words, cause.detail = describe("growth", None, float(r), None, float(a))
+        cause.grad_scale = a
+        cause.words, cause.detail = describe("growth", None, float(r), None, a)
         cause.detail = f"{mode}: {cause.detail} (fit {cause.fit:.3f})"
         return cause
 

@@ -238,3 +238,10 @@ def test_a_failing_suspicious_tensor_is_in_the_assertion_message():
     report.config["fail_on"] = "suspicious"
     with pytest.raises(AssertionError, match="micro-step 16 scaled by 1"):
         accumcheck.assert_faithful(report)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_long_accumulation_outgrowing_float64_in_the_growth_patterns_is_still_explained():
+    grads = micro(steps=200, shape=(8, 8))  # 64^200 overflows float64; 64^170 squared does too
+    t = tensor_of(running(grads, lambda k, g, tot: g * 0 if k == 100 else g), grads)
+    assert (t.cause.kind, t.cause.step) == ("drop-step", 100)
