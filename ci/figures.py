@@ -141,6 +141,41 @@ def console(command: str, output: str, keep: Callable[[list[str]], list[str]] | 
     return "\n```\n$ " + command + "\n" + "\n".join(lines) + "\n```\n"
 
 
+def synthetic_causes() -> list[tuple[str, str]]:
+    """The explanations no --inject makes, judged as a run is: 16 standard-normal 32x32
+    micro-gradients, the native total computed as the first column says."""
+    import numpy as np
+
+    from accumcheck.backend import ParamAccumulation, RunResult
+    from accumcheck.judge import build_report
+
+    grads = np.random.default_rng(0).standard_normal((16, 32, 32)).astype(np.float32)
+
+    def total(step=lambda t, k, g: t + g) -> np.ndarray:
+        t = np.zeros(grads.shape[1:], np.float32)
+        for k, g in enumerate(grads):
+            t = step(t, k, g).astype(np.float32)
+        return t
+
+    noisy = (grads * (1 + 1e-3 * np.random.default_rng(1).standard_normal(grads.shape))).astype(np.float32)
+    natives = {
+        "(the total halved)": total() * np.float32(0.5),
+        "(the total kept in float16)": total(lambda t, k, g: (t + g).astype(np.float16)),
+        "(the total times 16 at every step, each micro-gradient times 8/9)":
+            total(lambda t, k, g: t * np.float32(16) + g * np.float32(8 / 9)),
+        "(micro-gradients computed differently, relative 1e-3)": total(lambda t, k, g: t + noisy[k]),
+    }
+    rows = []
+    wide = grads.astype(np.float64)
+    for what, native in natives.items():
+        param = ParamAccumulation("w", "weight", native, total(), wide.sum(0), np.abs(wide).sum(0))
+        run = RunResult([param], "numpy", {}, "cpu", "float32", "float32")
+        report = build_report(None, run, len(grads), None, False, 0.0, {"model": "m"},
+                              lambda names: ({"w": g} for g in grads))
+        rows.append((what, report.tensors[0].cause.detail))
+    return rows
+
+
 def cases() -> list[str]:
     from accumcheck.casefile import builtin_case_names
 
@@ -218,6 +253,7 @@ def torch_figures() -> dict[str, str]:
     for fault in ("drop-step", "repeat-step", "double-step", "scale", "bf16"):
         hit = accumcheck.compare("transformer-small", framework="torch", accum_steps=16, inject=fault).flagged[0]
         rows.append(f"| `{fault}` | {hit.cause.detail} |")
+    rows += [f"| {what} | {detail} |" for what, detail in synthetic_causes()]
     figures["torch.causes"] = "\n" + "\n".join(rows) + "\n"
     clean = [accumcheck.compare(case, framework="torch").tensors for case in cases()]
     ratios = [max(t.ratio for t in tensors) for tensors in clean]

@@ -358,13 +358,13 @@ def describe(kind: str, step: int | None, c: float, dtype: str | None, grad_scal
     if kind == "drop-step":
         return f"step {step} lost", f"micro-step {step} lost"
     if kind == "scale-step":
-        return f"step {step} scaled 1{c:+.2g}", f"micro-step {step} scaled by 1{c:+.3g}"
+        return f"step {step} scaled {_factor(c, 2)}", f"micro-step {step} scaled by {_factor(c, 3)}"
     if kind == "running-total":
         extra = "again" if c == 1 else f"{c:.3g} more times"
         short = "" if c == 1 else f" {c:.3g}x"
         return f"total re-added{short} at step {step}", f"the running total before micro-step {step} added {extra}"
     if kind == "scale-sum":
-        return f"sum scaled 1{c:+.2g}", f"the whole sum scaled by 1{c:+.3g}"
+        return f"sum scaled {_factor(c, 2)}", f"the whole sum scaled by {_factor(c, 3)}"
     if kind == "growth":
         again = "again" if c == 2 else f"again {c - 1:g} times"
         scaled = "" if abs(grad_scale - 1.0) < 1e-3 else f", each micro-gradient scaled by {grad_scale:.3g}"
@@ -373,6 +373,11 @@ def describe(kind: str, step: int | None, c: float, dtype: str | None, grad_scal
     if kind == "narrow-dtype":
         return f"sum kept in {dtype}", f"the running total kept in {dtype}"
     raise ValueError(f"no words for an explanation of kind {kind!r}")
+
+
+def _factor(c: float, digits: int) -> str:
+    """1 + c in words: "1+0.001" near 1, where the deviation is what matters, else "0.5"."""
+    return f"1{c:+.{digits}g}" if abs(c) < 0.01 else f"{1 + c:.{digits}g}"
 
 
 def _round_to(dtype: str, total: np.ndarray) -> np.ndarray:

@@ -76,7 +76,7 @@ def test_the_whole_sum_scaled_is_a_constant_factor():
     grads = micro()
     t = tensor_of((running(grads) * F32(0.5)).astype(F32), grads)
     assert t.cause.kind == "scale-sum" and t.cause.factor == pytest.approx(-0.5, rel=1e-6)
-    assert t.cause.words == "sum scaled 1-0.5"
+    assert t.cause.words == "sum scaled 0.5" and "the whole sum scaled by 0.5 (fit 1.000)" in t.cause.detail
 
 
 def test_a_running_total_multiplied_at_every_step_is_growth_with_its_factor():
