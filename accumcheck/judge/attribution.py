@@ -320,12 +320,8 @@ class TensorExamination:
         if not (np.isfinite(v).all() and np.isfinite(rounded).all()):
             return None
         a = float(a_unit / peak)
-        cause = self._cause(mode, "growth", None, float(r), fit.fit_of(1.0, v),
-                            self._residual(mode, 1.0, v, rounded))
-        cause.grad_scale = a
-        cause.words, cause.detail = describe("growth", None, float(r), None, a)
-        cause.detail = f"{mode}: {cause.detail} (fit {cause.fit:.3f})"
-        return cause
+        return self._cause(mode, "growth", None, float(r), fit.fit_of(1.0, v), self._residual(mode, 1.0, v, rounded),
+                           grad_scale=a)
 
     def _residual(self, mode: str, c: float, v: np.ndarray, rounded: np.ndarray | None = None) -> float:
         """The worst element of e - c v against the round-off bound of the sum the explanation
@@ -344,10 +340,10 @@ class TensorExamination:
         return worst if math.isfinite(worst) else math.inf
 
     def _cause(self, mode: str, kind: str, step: int | None, c: float, fit: float, residual: float,
-               dtype: str | None = None) -> Cause:
-        words, detail = describe(kind, step, c, dtype)
+               dtype: str | None = None, grad_scale: float | None = None) -> Cause:
+        words, detail = describe(kind, step, c, dtype, 1.0 if grad_scale is None else grad_scale)
         fit = max(fit, 0.0)
-        return Cause(kind, mode, words, f"{mode}: {detail} (fit {fit:.3f})", fit, residual, step, c, dtype)
+        return Cause(kind, mode, words, f"{mode}: {detail} (fit {fit:.3f})", fit, residual, step, c, dtype, grad_scale)
 
 
 def describe(kind: str, step: int | None, c: float, dtype: str | None, grad_scale: float = 1.0) -> tuple[str, str]:

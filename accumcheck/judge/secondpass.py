@@ -1,11 +1,11 @@
 """The judge's second pass over a finished report: which tensors get it, running it over the
 replayed micro-gradients (``attribution.TensorExamination`` per tensor), and what it leaves on
 each tensor: its cause, its fault score, ``suspicious`` where the score passes its threshold
-inside the bound, the statistical tier's spreads, and a flagged tensor's severity."""
+inside the bound, and a flagged tensor's severity. (The statistical tier's spreads are figures
+of the first pass: ``statistics.tensor_figures``.)"""
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -62,20 +62,6 @@ def _checked(stream: Iterable[dict[str, np.ndarray]], exams: dict) -> Iterator[d
         yield {name: grads[name] for name in exams if name in grads}
 
 
-def spreads(result: TensorResult, native: np.ndarray, manual: np.ndarray, exact: np.ndarray, absum: np.ndarray,
-            accum_steps: int, u: float) -> None:
-    """The statistical tier's spreads: predicted (u sqrt(N - 1) S, root-mean-square over the
-    tensor) and each mode's measured root-mean-square error against E."""
-    e = np.asarray(exact, np.float64)
-    s = np.asarray(absum, np.float64)
-    if not e.size:
-        return
-    with np.errstate(over="ignore", invalid="ignore"):
-        result.spread_predicted = float(u * math.sqrt(max(accum_steps - 1, 1)) * math.sqrt(np.mean(s * s)))
-        result.spread_native = float(math.sqrt(np.mean((np.asarray(native, np.float64) - e) ** 2)))
-        result.spread_manual = float(math.sqrt(np.mean((np.asarray(manual, np.float64) - e) ** 2)))
-
-
 def severity(result: TensorResult) -> str | None:
     """``marginal`` for a flagged tensor within MARGINAL_RATIO times its bound and with no
     single-step explanation, ``diverged`` for any other flagged tensor, None when not flagged."""
@@ -84,4 +70,3 @@ def severity(result: TensorResult) -> str | None:
     worst = max(result.ratio, result.precision_ratio or 0.0) if result.verdict == "precision-loss" else result.ratio
     single = result.cause is not None and result.cause.single_step
     return "marginal" if worst <= MARGINAL_RATIO and not single and result.verdict != "non-finite" else "diverged"
-

@@ -14,7 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ..bounds import CLASSIC_TOLERANCES, ModeBound
+from ..bounds import CLASSIC_TOLERANCES, UNIT_ROUNDOFF, ModeBound
 from .ratio import bound_ratios, unravel
 
 _CHUNK = 1 << 16
@@ -198,11 +198,12 @@ def tensor_figures(
     rtol, atol = CLASSIC_TOLERANCES.get(native_bound.dtype, CLASSIC_TOLERANCES[dtype])
     chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
     bits = _BITS[a.dtype]
-    # The root-mean-square of S sets the scale of a kernel allowance; skip the pass when unused.
-    s_rms = float(np.sqrt(np.dot(s, s) / s.size)) if (native_bound.tensor or manual_bound.tensor) and s.size else 0.0
+    # The root-mean-square of S: the scale of a kernel allowance, and of the predicted round-off spread.
+    s_rms = float(np.sqrt(np.dot(s, s) / s.size)) if s.size else 0.0
+    allowance_rms = s_rms if native_bound.tensor or manual_bound.tensor else 0.0
     out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s,
-                              native_bound.relative, native_bound.floor(s_rms), manual_bound.relative,
-                              manual_bound.floor(s_rms), rtol, atol, chunks)
+                              native_bound.relative, native_bound.floor(allowance_rms), manual_bound.relative,
+                              manual_bound.floor(allowance_rms), rtol, atol, chunks)
     total, peak = out.sum(axis=0), out.max(axis=0)  # one row per chunk, and at least one chunk
 
     def arg(column: int, which: int) -> int:
@@ -212,7 +213,7 @@ def tensor_figures(
     worst_mode = "native" if ratio_a >= ratio_b else "manual"
     worst_flat = arg(_RATIO_A, 1) if worst_mode == "native" else arg(_RATIO_B, 2)
     worst_bound = native_bound if worst_mode == "native" else manual_bound
-    bound_at_worst = worst_bound.at(float(s[worst_flat]) if worst_flat >= 0 else 0.0, s_rms)
+    bound_at_worst = worst_bound.at(float(s[worst_flat]) if worst_flat >= 0 else 0.0, allowance_rms)
     nonfinite = int(total[_NONFIN_A] + total[_NONFIN_B] + total[_NONFIN_E])
     sum_abs_e = float(total[_SUM_ABS_E])
     condition = float(total[_SUM_S]) / sum_abs_e if sum_abs_e > 0 else (math.inf if total[_SUM_S] > 0 else 1.0)
@@ -235,10 +236,15 @@ def tensor_figures(
         nearer="tie" if err2_a == err2_b else ("native" if err2_a < err2_b else "manual"),
         nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
         grad_sum_sq=float(total[_SQ_E]), diff_ratio=float(peak[_DIFF_RATIO]),
+        # The statistical tier's spreads (root-mean-square over the tensor): predicted by the
+        # probabilistic model, u sqrt(N - 1) S, and each mode's measured error against E.
+        spread_predicted=UNIT_ROUNDOFF[manual_bound.dtype] * math.sqrt(max(manual_bound.roundings, 1)) * s_rms,
+        spread_native=err2_a / math.sqrt(a.size) if a.size else 0.0,
+        spread_manual=err2_b / math.sqrt(a.size) if a.size else 0.0,
     )
     if (reference_bound is not None or ulps) and not nonfinite:
         precision_ratio, figures["err_ulps_native"], figures["err_ulps_manual"] = _precision(
-            a, b, e, s, reference_bound or native_bound, s_rms)
+            a, b, e, s, reference_bound or native_bound, allowance_rms)
         if reference_bound is not None:
             figures["precision_ratio"] = precision_ratio
     if oracle is not None:

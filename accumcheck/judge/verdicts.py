@@ -33,7 +33,7 @@ from .attribution import Examined, Replay
 from .dataparallel import RankChecks
 from .fullbatch import full_batch_verdict
 from .ratio import ratio_map, unravel
-from .secondpass import examine, severity, spreads, wanted
+from .secondpass import examine, severity, wanted
 from .statistics import tensor_figures
 
 # A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative
@@ -117,7 +117,6 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
                            no_gradient=p.steps_with_grad == 0, overflow=run.grad_scale is not None)
         t.aliases = list(p.aliases) or None
         t.steps_with_grad = p.steps_with_grad
-        spreads(t, p.native, p.manual, p.exact, p.absum, accum_steps, UNIT_ROUNDOFF[manual_bound.dtype])
         tensors.append(t)
         if replay is not None and parallel is None and wanted(t):
             examined.append(Examined(t, p.native, p.manual, p.exact, p.absum,
