@@ -10,7 +10,7 @@ framework.
 
 from .agreement import agreement, forward_agreement
 from .fullbatch import FACTOR_TOLERANCE, SEMANTIC_TOLERANCE, full_batch_verdict
-from .verdicts import ILL_CONDITIONED, build_report, compare_tensor
+from .verdicts import ILL_CONDITIONED, Judge, build_report, compare_tensor
 
-__all__ = ["FACTOR_TOLERANCE", "ILL_CONDITIONED", "SEMANTIC_TOLERANCE", "agreement", "build_report", "compare_tensor",
-           "forward_agreement", "full_batch_verdict"]
+__all__ = ["FACTOR_TOLERANCE", "ILL_CONDITIONED", "SEMANTIC_TOLERANCE", "Judge", "agreement", "build_report",
+           "compare_tensor", "forward_agreement", "full_batch_verdict"]
