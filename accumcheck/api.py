@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .backend import Backend, Progress, RunResult
+from .budget import plan
 from .casefile import resolve_case
 from .cases import Case
 from .config import RunConfig
@@ -25,7 +26,7 @@ from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .faults import Fault, resolve_fault
-from .judge import agreement, build_report, forward_agreement
+from .judge import Judge, agreement, build_report, forward_agreement
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
 from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .registry import backend_names, get_backend, installed_backends
@@ -46,7 +47,8 @@ def compare(case: str | Path | Case = "embed-attention", framework: str | Sequen
     options by name (``accumcheck compare --help`` lists them:
     ``device``, ``seed``, ``oracle``, ``inject``, ``dtype``, ``accum_dtype``, ``mode``,
     ``loss_reduction``, ``full_batch``, ``world_size``, ``reduce_dtype``, ``inject_rank``,
-    ``grad_norms``, and a backend's own such as MXNet's ``hybridize``). ``world_size`` runs
+    ``grad_norms``, ``memory_budget`` (bytes, or a text such as "512M": the tensors are run and
+    judged in groups that fit it), and a backend's own such as MXNet's ``hybridize``). ``world_size`` runs
     data-parallel: under torchrun every rank calls it and gets the same Report (a script that
     spawns ranks needs the usual ``if __name__ == "__main__":`` guard).
 
@@ -87,6 +89,10 @@ def run(config: RunConfig, progress: Progress | None = None) -> Any:
     backend = get_backend(config.framework)
     writer = ScalarWriter(config.grad_norms) if config.grad_norms is not None else None  # fails before the run
     started = time.perf_counter()
+    if config.memory_budget is not None:
+        groups = plan(backend.tensor_needs(config), config.memory_budget)
+        if len(groups) > 1:
+            return _grouped(config, backend, groups, started, progress)
     result = backend.run(config, progress)
     if writer is not None:
         _log_norms(writer, result, config.accum_steps)
@@ -95,12 +101,31 @@ def run(config: RunConfig, progress: Progress | None = None) -> Any:
 
 def _report(config: RunConfig, result: RunResult, started: float, backend: Backend | None = None,
             progress: Progress | None = None, weights: dict[str, np.ndarray] | None = None) -> Report:
-    replay = None
-    if backend is not None and backend.capabilities.replay and config.world_size is None:
-        def replay(names: list[str]) -> Any:
-            return backend.micro_gradients(config, names, progress, weights)
     return build_report(config.case, result, config.accum_steps, config.fault, config.oracle,
-                        time.perf_counter() - started, config.record(), replay)
+                        time.perf_counter() - started, config.record(), _replay(config, backend, progress, weights))
+
+
+def _replay(config: RunConfig, backend: Backend | None, progress: Progress | None,
+            weights: dict[str, np.ndarray] | None = None) -> Callable[[list[str]], Any] | None:
+    """The judge's second pass: the run's micro-gradients again, where the backend replays them."""
+    if backend is None or not backend.capabilities.replay or config.world_size is not None:
+        return None
+
+    def replay(names: list[str]) -> Any:
+        return backend.micro_gradients(config, names, progress, weights)
+
+    return replay
+
+
+def _grouped(config: RunConfig, backend: Backend, groups: list[list[str]], started: float,
+             progress: Progress | None) -> Report:
+    """A run judged in ``groups`` (--memory-budget): each group's tensors judged and dropped before
+    the next group runs."""
+    judge = Judge(config.accum_steps, config.record(), _replay(config, backend, progress))
+    for part in backend.run_groups(config, groups, progress):
+        judge.add(part)
+        del part  # before the next group runs
+    return judge.report(config.case, config.fault, config.oracle, time.perf_counter() - started)
 
 
 def _log_norms(writer: ScalarWriter, result: RunResult, step: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .budget import TensorNeed
 from .cases import LAYER_TYPES
 from .config import RunConfig
 from .errors import AccumcheckError
@@ -46,6 +47,7 @@ class Capabilities:
     single_process_only: tuple[str, ...] = ()
     trajectory: bool = False
     replay: bool = False  # streams a run's micro-gradients again (micro_gradients): causes, statistical tier
+    memory_budget: bool = False  # runs the tensors in groups (run_groups, tensor_needs): --memory-budget
     layer_types: tuple[str, ...] = LAYER_TYPES  # the layer types it builds a case from
     options: tuple[Option, ...] = ()
     why_not: dict[str, str] = field(default_factory=dict)  # option name -> why it is limited here
@@ -179,6 +181,19 @@ class Backend(ABC):
         """Run ``config`` (one framework: this one): N micro-steps natively and by hand.
         ``weights`` replaces the case's initial weights (same names and shapes). Raises
         AccumcheckError when the device is not available."""
+
+    def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
+        """What each tensor of ``config``'s case needs beside the model while its group runs and
+        is judged (``accumcheck.budget``), in canonical order, where ``capabilities.memory_budget``
+        says the backend runs groups."""
+        raise AccumcheckError(f"--memory-budget: the {self.name} backend runs no groups of tensors")
+
+    def run_groups(self, config: RunConfig, groups: list[list[str]], progress: Progress | None = None
+                   ) -> Iterator[RunResult]:
+        """``run`` once per group of tensor names: each yielded RunResult holds that group's tensors
+        only (bit for bit what ``run`` gives them), the run's facts on each. The caller drops each
+        before asking for the next, so that one group's buffers are held at a time."""
+        raise AccumcheckError(f"--memory-budget: the {self.name} backend runs no groups of tensors")
 
     def owns(self, model: Any) -> bool:
         """Whether ``model`` is one of this framework's (told by its classes' modules, without

@@ -34,6 +34,7 @@ class RunConfig:
     dtype: str = "float32"
     accum_dtype: str = "float32"
     mode: str = "native"
+    memory_budget: int | None = None
     grad_norms: str | None = None
     force: bool = False
     fail_on: str = "marginal"
@@ -68,6 +69,8 @@ class RunConfig:
             del values["force"]
         if self.fail_on == "marginal":
             del values["fail_on"]
+        if self.memory_budget is None:  # reports before it had none
+            del values["memory_budget"]
         values["backend_options"] = dict(self.backend_options)
         return values
 

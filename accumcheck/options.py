@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .budget import byte_count
+
 Check = Callable[[Any], Any]  # a Python value -> the value; raises ValueError saying what is wrong
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -248,6 +250,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("mode", "mode", "what is compared with the manual buffer: the framework's own accumulation, or its "
            "GradAccumulator, plain or compensated", default="native", choices=MODES, capability="modes",
            one_framework=True),
+    Option("memory_budget", "memory-budget", "hold at most BYTES beside the model (e.g. 512M, 2G, 1.5GiB): the "
+           "tensors are judged in groups that fit, the micro-steps run again for each group (slower; default: all "
+           "at once)", check=byte_count, metavar="BYTES", capability="memory_budget", one_framework=True,
+           pytest="value"),
     Option("grad_norms", "grad-norms", "also log each mode's per-layer gradient norms to TensorBoard event files "
            "in DIR", check=text, metavar="DIR", one_framework=True, reproduce="never"),
     Option("force", "force", "run although the estimate says it needs more memory than is available, or more "

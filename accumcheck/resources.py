@@ -15,7 +15,9 @@ The estimate is deliberately on the high side and simple enough to state:
   its gradient, and float64 in the oracle), counted as one micro-batch's rows × the widest layer
   × the number of layers, plus each attention layer's score matrices; the full-batch check holds
   all N micro-batches at once;
-- each data-parallel rank is a process holding all of that.
+- each data-parallel rank is a process holding all of that;
+- with ``--memory-budget`` the harness holds the budget at most beside the model
+  (``BYTES_PER_MODEL_PARAMETER`` per parameter and the activations).
 
 For a user's own model only what the check adds is estimated (``estimate_model``): its
 activations are the model's own and unknown in advance.
@@ -35,6 +37,7 @@ from .files import size_text
 BYTES_PER_PARAMETER = 64
 BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, and its result
 BYTES_PER_ACTIVATION = 16
+BYTES_PER_MODEL_PARAMETER = 16  # with --memory-budget: the float64 initial weight, the parameter and .grad
 BYTES_PER_FLOAT64_COPY = 56  # a user model's float64 copy: weight, gradient, buffer, E, S, step, host copy
 
 
@@ -56,8 +59,9 @@ class Estimate:
 
 
 def estimate(case: Case, accum_steps: int, oracle: bool = False, full_batch: bool = False,
-             world_size: int | None = None) -> Estimate:
-    """What running ``case`` over ``accum_steps`` micro-steps will need (see the module)."""
+             world_size: int | None = None, memory_budget: int | None = None) -> Estimate:
+    """What running ``case`` over ``accum_steps`` micro-steps will need (see the module); with a
+    ``memory_budget``, the model itself and the budget beside it at most."""
     specs = case.parameters()
     parameters = sum(spec.numel for spec in specs)
     inp = case.input
@@ -75,15 +79,17 @@ def estimate(case: Case, accum_steps: int, oracle: bool = False, full_batch: boo
     per_parameter = BYTES_PER_PARAMETER + (BYTES_PER_ORACLE_PARAMETER if oracle or full_batch else 0)
     ranks = world_size or 1
     total = ranks * (parameters * per_parameter + activations * BYTES_PER_ACTIVATION)
+    if memory_budget is not None:
+        total = min(total, parameters * BYTES_PER_MODEL_PARAMETER + activations * BYTES_PER_ACTIVATION + memory_budget)
     return Estimate(parameters, activations, total, ranks)
 
 
-def estimate_model(parameters: int, float64_copy: bool) -> Estimate:
+def estimate_model(parameters: int, float64_copy: bool, memory_budget: int | None = None) -> Estimate:
     """What checking a user's model of ``parameters`` elements adds to the model itself: the
     buffers, sums and host copies per parameter, and a float64 copy of the model with its
-    gradient and sums where the oracle or the full-batch check needs one."""
+    gradient and sums where the oracle or the full-batch check needs one; ``memory_budget`` at most."""
     per_parameter = BYTES_PER_PARAMETER + (BYTES_PER_FLOAT64_COPY if float64_copy else 0)
-    return Estimate(parameters, 0, parameters * per_parameter, 1)
+    return Estimate(parameters, 0, min(parameters * per_parameter, memory_budget or parameters * per_parameter), 1)
 
 
 def check_resources(need: Estimate, what: str, force: bool = False, launched: bool = False) -> None:

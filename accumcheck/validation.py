@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .backend import Backend
+from .budget import UNBUDGETED
 from .casefile import resolve_case
 from .cases import Case
 from .config import RunConfig
@@ -69,7 +70,7 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
     if values["grad_norms"] is not None:
         check_output_folder("--grad-norms", values["grad_norms"])
     need = estimate(case, steps, oracle=values["oracle"] or len(frameworks) > 1, full_batch=values["full_batch"],
-                    world_size=values["world_size"])
+                    world_size=values["world_size"], memory_budget=values["memory_budget"])
     check_resources(need, f"--case {case.name} at --accum-steps {steps}", force=values["force"],
                     launched=launched_world_size() is not None)
     return RunConfig(
@@ -77,6 +78,7 @@ def configure(options: Mapping[str, Any], only: tuple[str, ...] | None = None, w
         oracle=values["oracle"], full_batch=values["full_batch"], loss_reduction=values["loss_reduction"],
         world_size=values["world_size"], reduce_dtype=values["reduce_dtype"], inject_rank=rank,
         dtype=values["dtype"], accum_dtype=values["accum_dtype"], mode=values["mode"],
+        memory_budget=values["memory_budget"],
         grad_norms=None if values["grad_norms"] is None else str(values["grad_norms"]), force=values["force"],
         fail_on="suspicious" if values["strict"] else values["fail_on"], backend_options=tuple(extras.items()))
 
@@ -139,6 +141,12 @@ def _check_combination(values: dict[str, Any], extras: dict[str, Any], backends:
                 why = caps.why_not.get("single_process_only", "data-parallel runs do not take it")
                 raise AccumcheckError(f"{option.as_flag(values[option.name])}: not available with --world-size "
                                       f"on the {backend.name} backend ({why})")
+    if values["memory_budget"] is not None:
+        budget = OPTIONS_BY_NAME["memory_budget"].as_flag(values["memory_budget"])
+        for name, why in UNBUDGETED.items():
+            if _given(OPTIONS_BY_NAME[name], values):
+                raise AccumcheckError(f"{budget}: not with {OPTIONS_BY_NAME[name].as_flag(values[name])} ({why}, "
+                                      "beyond any budget); drop one of the two")
     owners = {option.name for backend in backends for option in backend.capabilities.options}
     for name, value in extras.items():
         if name not in owners:

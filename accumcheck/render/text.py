@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..budget import budget_note
 from ..report import KIND_ORDER, MARGINAL_RATIO, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
 from ..report.single import FullBatchResult, factor_text
 
@@ -49,6 +50,8 @@ def header_lines(report: Report) -> list[str]:
             + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
             "E, S: float64 sums of the micro-gradients and of their magnitudes",
         ]
+    if report.groups > 1:
+        lines.append(budget_note(report.groups, report.config.get("memory_budget")))
     if report.inject:
         lines.append(f"injected fault: {report.inject}")
     if report.full_batch is not None:

@@ -126,6 +126,8 @@ class Report(Serialised):
     notes: list[str] = field(default_factory=list)
     full_batch: FullBatchResult | None = None
     data_parallel: DataParallelResult | None = None
+    # In how many groups the tensors were run and judged to stay within --memory-budget (1: all at once).
+    groups: int = 1
     kind: str = "report"
     schema_version: int = SCHEMA_VERSION
 

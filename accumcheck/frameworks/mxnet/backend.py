@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ...backend import Backend, Capabilities, Progress, RunResult
+from ...budget import TensorNeed
 from ...config import RunConfig
 from ...options import Option
 
@@ -21,7 +22,7 @@ class MXNetBackend(Backend):
     preference = 1
     install = "pip install 'accumcheck[mxnet]'"
     capabilities = Capabilities(
-        accum_dtypes=("float32",), options=(HYBRIDIZE,), replay=True,
+        accum_dtypes=("float32",), options=(HYBRIDIZE,), replay=True, memory_budget=True,
         why_not={"dtype": "it runs float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for these operators",
                  "accum_dtype": "it runs float32 only",
                  "mode": "GradAccumulator is accumcheck.torch's; MXNet compares grad_req='add' only",
@@ -48,6 +49,17 @@ class MXNetBackend(Backend):
         from .run import run
 
         return run(config, self.versions(), progress, weights)
+
+    def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
+        from .run import tensor_needs
+
+        return tensor_needs(config)
+
+    def run_groups(self, config: RunConfig, groups: list[list[str]], progress: Progress | None = None
+                   ) -> Iterator[RunResult]:
+        from .run import run_groups
+
+        return run_groups(config, groups, self.versions(), progress)
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:

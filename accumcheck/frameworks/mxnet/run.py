@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ...backend import ParamAccumulation, Progress, RunResult
+from ...budget import TensorNeed, element_bytes, need
 from ...cases import Case
 from ...config import RunConfig
 from .library import mx
@@ -55,6 +56,51 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx), param_dtype="float32",
                      accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE, losses=losses,
                      settings=settings, notes=notes, first_logits=logits)
+
+
+def tensor_needs(config: RunConfig) -> list[TensorNeed]:
+    """What each tensor of the case holds beside the model while its group runs and is judged: the
+    native pass's gradient on the host; the manual pass's buffer, E and S, and the micro-step's
+    gradient copied on MXNet's engine and read on the host (one tensor at a time); on a GPU the
+    host copies of the buffer, E and S."""
+    host = 4 + (20 if config.device != "cpu" else 0)
+    return [need(p.name, p.numel, element_bytes(4, 4, 4, host)) for p in config.case.parameters()]
+
+
+def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, str],
+               progress: Progress | None = None) -> Iterator[RunResult]:
+    """``run`` once per group of tensors (``Backend.run_groups``): both passes on fresh blocks from the
+    same weights, the native gradients read and the manual buffers kept for that group only."""
+    case, steps = config.case, config.accum_steps
+    ctx = resolve_context(config.device)
+    hybridize = config.option("hybridize", True)
+    weights = case.weights()
+    kinds = {p.name: p.kind for p in case.parameters()}
+    settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize,
+                                "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
+    for index, names in enumerate(groups):
+        phase = f"group {index + 1} of {len(groups)}"
+        fault = config.fault if config.fault is not None and config.fault.param in names else None
+        block = prepared(case, weights, "float32", ctx, hybridize)
+        native, native_loss, _ = native_pass({name: block.canonical[name] for name in names},
+                                             case_step(case, block, ctx, "float32", steps), steps, ctx, fault, progress,
+                                             phase=f"native: grad_req='add', {phase}")
+        block = prepared(case, weights, "float32", ctx, hybridize)
+        manual, exact, absum, manual_loss, logits = manual_pass({name: block.canonical[name] for name in names},
+                                                                case_step(case, block, ctx, "float32", steps), steps,
+                                                                ctx, progress)
+        del block
+        params = [ParamAccumulation(name=name, kind=kinds[name], native=native[name], manual=manual[name],
+                                    exact=exact[name], absum=absum[name]) for name in names]
+        del native, manual, exact, absum
+        result = RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx),
+                           param_dtype="float32", accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
+                           losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss}, settings=settings,
+                           notes=["hybridized" if hybridize else "imperative"],
+                           first_logits=logits if index == 0 else None)
+        del params, logits
+        yield result
+        del result  # before the next group runs
 
 
 def micro_gradients(config: RunConfig, names: list[str], progress: Progress | None = None,

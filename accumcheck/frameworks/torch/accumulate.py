@@ -90,8 +90,10 @@ def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInject
 
 
 def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None, progress: Progress | None,
-              phase: str, accum_dtype: Any = None, mode: str = "native") -> dict[str, Any]:
-    """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``."""
+              phase: str, accum_dtype: Any = None, mode: str = "native",
+              params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``.
+    ``params``: the parameters to record (a group of them; default all)."""
     dtype = next(model.parameters()).dtype
     total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
 
@@ -100,7 +102,8 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
         labels = torch.from_numpy(batch.labels).to(dev)
         return case_loss(case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
 
-    return accumulate(model.canonical, step_loss, accum_steps, fault, progress, phase, accum_dtype, mode)
+    return accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
+                      accum_dtype, mode)
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,

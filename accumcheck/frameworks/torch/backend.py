@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ...backend import Backend, Capabilities, Progress, RunResult
+from ...budget import TensorNeed
 from ...config import RunConfig
 from ...options import DTYPES, MODES
 from ...report import TrajectoryReport
@@ -22,7 +23,7 @@ class TorchBackend(Backend):
     install = "pip install 'accumcheck[torch]'"
     capabilities = Capabilities(
         dtypes=DTYPES, modes=MODES, full_batch=True, data_parallel=True, reduce_dtypes=DTYPES,
-        single_process_only=("dtype", "mode", "full_batch"), trajectory=True, replay=True,
+        single_process_only=("dtype", "mode", "full_batch"), trajectory=True, replay=True, memory_budget=True,
         why_not={"single_process_only": "data-parallel runs keep float32 parameters and DDP's own accumulation; "
                                         "--reduce-dtype sets the all-reduce's dtype"})
 
@@ -53,6 +54,17 @@ class TorchBackend(Backend):
         from .run import run_single
 
         return run_single(config, self.versions(), progress, weights)
+
+    def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
+        from .needs import case_needs
+
+        return case_needs(config)
+
+    def run_groups(self, config: RunConfig, groups: list[list[str]], progress: Progress | None = None
+                   ) -> Iterator[RunResult]:
+        from .run import run_groups
+
+        return run_groups(config, groups, self.versions(), progress)
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from ...backend import ParamAccumulation, Progress, RunResult
+from ...budget import checked_budget, plan
 from ...cases import infer_kind
 from ...errors import AccumcheckError
 from ...faults import parse_fault, resolve_fault
-from ...judge import build_report
+from ...judge import Judge, build_report
 from ...options import MODES, REDUCTIONS
 from ...report import Report
 from ...resources import check_resources, estimate_model
@@ -35,6 +36,7 @@ from ...usermodel import Batch, batch_source
 from .accumulate import accumulate
 from .model import deterministic, isolated, to_numpy
 from .model_fullbatch import full_batch_gap
+from .needs import model_needs
 from .userbatch import micro_loss, to_device
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +49,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
           step: Callable[[Any, Any], Any] | None = None, mode: str = "native", autocast: Any = None,
           grad_scaler: Any = None, train_mode: bool = False, full_batch: bool = False,
           collate: Callable[[list[Any]], Any] | None = None, loss_reduction: str = "mean",
-          force: bool = False) -> Report:
+          force: bool = False, memory_budget: int | str | None = None) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``model`` is any ``torch.nn.Module`` with parameters in float32, bfloat16, float16 or float64.
@@ -69,11 +71,14 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     loop (the loop divides each micro-batch's mean loss by N), as it is for "sum" and
     "token_count". ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs the native
     accumulation to prove the check fires. A check that would need more memory beside the model
-    than is available is refused unless ``force``. Returns a Report; raises AccumcheckError for
-    bad input.
+    than is available is refused unless ``force``. ``memory_budget`` (bytes, or a text such as
+    ``"512M"``) bounds what the check holds beside the model: the parameters are run and judged in
+    groups that fit it, the micro-batches replayed for each group (not with ``oracle`` or
+    ``full_batch``). Returns a Report; raises AccumcheckError for bad input.
     """
     started = time.perf_counter()
     _check_arguments(loss_fn, batches, step, mode, grad_scaler, full_batch, collate, loss_reduction)
+    budget = checked_budget(memory_budget, oracle, full_batch)
     cast = _autocast_dtype(autocast)
     groups = _parameters(model)
     params = {names[0]: p for names, p in groups}
@@ -97,8 +102,9 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     accum_dtype = torch.float64 if param_dtype == "float64" and mode == "native" else torch.float32
     uniform = first.dtype if len(set(dtypes.values())) == 1 else None
     scale = _scale_of(grad_scaler)
-    check_resources(estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch), "check",
+    check_resources(estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch, budget), "check",
                     force=force)
+    parts = plan(model_needs(params, accum_dtype, mode, scale, where), budget, "check: memory_budget")
 
     def step_loss(net: Any, dtype: Any, autocast_to: Any = None, scaled: float | None = None) -> Callable[[int], Any]:
         def run(index: int) -> Any:
@@ -112,46 +118,43 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     twin = None
     if oracle or full_batch:
         twin = _float64_copy(model)  # before any pass: the same buffers as the model
-    try:
-        with deterministic(where, warn_only=True), isolated(where):
-            _set_mode(model, train_mode)
-            result = accumulate(params, step_loss(model, uniform, cast, scale), steps, fault, progress,
-                                "native + manual", accum_dtype, mode)
-            buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in params}
-            native = {name: to_numpy(g) for name, g in result["native"].items()}
-            saved.restore_buffers()
-            oracle_grads, gap = None, None
-            if twin is not None:
-                _set_mode(twin, train_mode)
-                twin_params = _same_parameters(twin, groups)
-                twin_loss = step_loss(twin, torch.float64)
-                gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, [get_batch(k) for k in range(steps)]
-                                                   if full_batch else None, steps, loss_fn, step, collate,
-                                                   loss_reduction, progress)
-    finally:
-        saved.restore()
-    if scale is not None:  # judged unscaled: the scale is a power of two, so dividing is exact
-        native = {name: g / np.asarray(scale, g.dtype) for name, g in native.items()}
-        buffers = {name: tuple(b / np.asarray(scale, b.dtype) for b in bufs) for name, bufs in buffers.items()}
-    own = mode == "native" and len(set(dtypes.values())) > 1
-    run = RunResult(
-        params=[ParamAccumulation(names[0], kinds[names[0]], native[names[0]], *buffers[names[0]],
-                                  oracle=None if oracle_grads is None or not oracle else oracle_grads[names[0]],
-                                  dtype=dtypes[names[0]] if own else None, aliases=tuple(names[1:]),
-                                  steps_with_grad=result["steps_with_grad"].get(names[0]))
-                for names, _ in groups],
-        framework="torch", versions={"torch": torch.__version__}, device=str(where),
-        # the GradAccumulator sums in float32, whatever the parameters' dtype
-        param_dtype=param_dtype if mode == "native" else "float32", accum_dtype=str(accum_dtype).replace("torch.", ""),
-        losses={"mean_loss": result["loss"] / (scale or 1.0)},
-        notes=_notes(train_mode, cast, scale, dtypes, mode),
-        settings={"train_mode": train_mode, "autocast": None if cast is None else str(cast).replace("torch.", ""),
-                  "grad_scale": scale},
-        full_batch=gap, grad_scale=scale)
+
+    def record(part: dict[str, Any], phase: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The N micro-steps with ``part``'s parameters recorded: native and (manual, E, S) on the host."""
+        result = accumulate(part, step_loss(model, uniform, cast, scale), steps,
+                            fault if fault is not None and fault.param in part else None, progress, phase,
+                            accum_dtype, mode)
+        buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in part}
+        native = {name: to_numpy(g) for name, g in result["native"].items()}
+        saved.restore_buffers()
+        return native, buffers, result
+
+    def run_of(part: list[tuple[list[str], Any]], native: dict[str, Any], buffers: dict[str, Any],
+               result: dict[str, Any], oracle_grads: dict[str, Any] | None = None, gap: Any = None) -> RunResult:
+        if scale is not None:  # judged unscaled: the scale is a power of two, so dividing is exact
+            native = {name: g / np.asarray(scale, g.dtype) for name, g in native.items()}
+            buffers = {name: tuple(b / np.asarray(scale, b.dtype) for b in bufs) for name, bufs in buffers.items()}
+        own = mode == "native" and len(set(dtypes.values())) > 1
+        return RunResult(
+            params=[ParamAccumulation(names[0], kinds[names[0]], native[names[0]], *buffers[names[0]],
+                                      oracle=None if oracle_grads is None or not oracle else oracle_grads[names[0]],
+                                      dtype=dtypes[names[0]] if own else None, aliases=tuple(names[1:]),
+                                      steps_with_grad=result["steps_with_grad"].get(names[0]))
+                    for names, _ in part],
+            framework="torch", versions={"torch": torch.__version__}, device=str(where),
+            # the GradAccumulator sums in float32, whatever the parameters' dtype
+            param_dtype=param_dtype if mode == "native" else "float32",
+            accum_dtype=str(accum_dtype).replace("torch.", ""), losses={"mean_loss": result["loss"] / (scale or 1.0)},
+            notes=_notes(train_mode, cast, scale, dtypes, mode),
+            settings={"train_mode": train_mode, "autocast": None if cast is None else str(cast).replace("torch.", ""),
+                      "grad_scale": scale},
+            full_batch=gap, grad_scale=scale)
+
     options = {"mode": mode if mode != "native" else None, "oracle": oracle or None, "inject": inject,
                "autocast": None if cast is None else str(cast), "train_mode": train_mode or None,
                "grad_scaler": "<your GradScaler>" if grad_scaler is not None else None,
-               "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
+               "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None,
+               "memory_budget": budget}
     loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
 
     def replay(names: list[str]) -> Iterator[dict[str, np.ndarray]]:
@@ -172,9 +175,39 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
         finally:
             again.restore()
 
-    return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
-                        config={"model": type(model).__name__, "loss": loss,
-                                **{k: v for k, v in options.items() if v is not None}}, replay=replay)
+    config = {"model": type(model).__name__, "loss": loss, **{k: v for k, v in options.items() if v is not None}}
+
+    judge = None
+    try:
+        with deterministic(where, warn_only=True), isolated(where):
+            _set_mode(model, train_mode)
+            if len(parts) == 1:
+                native, buffers, result = record(params, "native + manual")
+                oracle_grads, gap = None, None
+                if twin is not None:
+                    _set_mode(twin, train_mode)
+                    twin_params = _same_parameters(twin, groups)
+                    twin_loss = step_loss(twin, torch.float64)
+                    gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, [get_batch(k) for k in range(steps)]
+                                                       if full_batch else None, steps, loss_fn, step, collate,
+                                                       loss_reduction, progress)
+            else:  # judged group by group, each group's buffers dropped before the next runs
+                judge = Judge(steps, config, replay)
+                for index, names in enumerate(parts):
+                    part = set(names)
+                    with isolated(where):
+                        for p in params.values():
+                            p.grad = None
+                        record_part = record({name: params[name] for name in names},
+                                             f"native + manual, group {index + 1} of {len(parts)}")
+                        judge.add(run_of([g for g in groups if g[0][0] in part], *record_part))
+                        del record_part
+    finally:
+        saved.restore()
+    if judge is not None:
+        return judge.report(None, fault, oracle, time.perf_counter() - started)
+    return build_report(None, run_of(groups, native, buffers, result, oracle_grads, gap), steps, fault, oracle,
+                        time.perf_counter() - started, config=config, replay=replay)
 
 
 def _unscaled(param: Any, scale: float | None) -> np.ndarray:

@@ -31,9 +31,7 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
         if config.oracle:
             model64 = build_model(case, weights, torch.float64, dev)
             exact_oracle = case_sums(case, model64, config.accum_steps, dev, None, progress, "float64 oracle")
-        with torch.no_grad():
-            batch = case.batch(0)
-            logits = to_numpy(model(to_inputs(batch.inputs, dev, dtype), batch.index))
+        logits = _first_logits(case, model, dev, dtype)
         params = []
         for name in model.canonical:
             manual, exact, absum = sums["buffers"][name]
@@ -48,10 +46,52 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
     losses = {"mean_loss": sums["loss"]}
     if exact_oracle is not None:
         losses["oracle_mean_loss"] = exact_oracle["loss"]
+    return _result(config, params, versions, dev, losses, settings, logits, gap)
+
+
+def _result(config: RunConfig, params: list[ParamAccumulation], versions: dict[str, str], dev: Any,
+            losses: dict[str, float], settings: dict[str, Any], logits: np.ndarray | None, gap: Any = None) -> RunResult:
     return RunResult(params=params, framework="torch", versions=versions, device=device_name(dev),
                      # the GradAccumulator sums in float32, whatever the parameters' dtype
                      param_dtype=config.dtype if config.mode == "native" else "float32", accum_dtype=config.accum_dtype,
                      losses=losses, settings=settings, first_logits=logits, full_batch=gap)
+
+
+def _first_logits(case: Case, model: Any, dev: Any, dtype: Any) -> np.ndarray:
+    """Micro-batch 0's logits (to compare forward passes across frameworks)."""
+    with torch.no_grad():
+        batch = case.batch(0)
+        return to_numpy(model(to_inputs(batch.inputs, dev, dtype), batch.index))
+
+
+def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, str],
+               progress: Progress | None = None) -> Iterator[RunResult]:
+    """``run_single`` once per group of tensors (``Backend.run_groups``): one model, its ``.grad``
+    cleared and the random state as found before each group's N micro-steps, hooks and buffers
+    for that group's parameters only."""
+    case = config.case
+    dev = resolve_device(config.device)
+    dtype, accum = getattr(torch, config.dtype), getattr(torch, config.accum_dtype)
+    kinds = {p.name: p.kind for p in case.parameters()}
+    with isolated(dev):
+        model = build_model(case, case.weights(), dtype, dev)
+    for index, names in enumerate(groups):
+        with deterministic(dev) as settings, isolated(dev):
+            for param in model.parameters():
+                param.grad = None
+            group = {name: model.canonical[name] for name in names}
+            fault = config.fault if config.fault is not None and config.fault.param in group else None
+            sums = case_sums(case, model, config.accum_steps, dev, fault, progress,
+                             f"native + manual, group {index + 1} of {len(groups)}", accum, config.mode, group)
+            params = [ParamAccumulation(name=name, kind=kinds[name], native=to_numpy(sums["native"][name]),
+                                        manual=to_numpy(sums["buffers"][name][0]),
+                                        exact=to_numpy(sums["buffers"][name][1]),
+                                        absum=to_numpy(sums["buffers"][name][2])) for name in names]
+            result = _result(config, params, versions, dev, {"mean_loss": sums["loss"]}, settings,
+                             _first_logits(case, model, dev, dtype) if index == 0 else None)
+            del sums, params, group
+        yield result
+        del result  # before the next group runs
 
 
 def micro_gradients(config: RunConfig, names: list[str], progress: Progress | None = None,
