@@ -10,9 +10,13 @@
 The per-parameter norms come from the same fused ``torch._foreach_norm`` call that
 ``clip_grad_norm_`` makes, grouped the same way, so the total norm and the clipped gradients are
 bit-for-bit those of PyTorch. A normal step adds a few scalar operations on the device and one
-non-blocking copy of a flag; it never waits for the device. The flag (clipping scale below
-``clip_threshold``, or a non-finite norm) is read once its copy has arrived, usually at the next
-step; then ``dominance_report`` names the parameters that dominate the gradient norm.
+non-blocking copy of the total norm and the clipping scale; it never waits for the device. They
+are read once the copy has arrived, usually at the next step; when the scale is below
+``clip_threshold`` or the norm is not finite, ``dominance_report`` names the parameters that
+dominate the gradient norm. A step that logs per-layer statistics reuses those norms (a layer's
+norm is the norm of its parameters' norms), adds one min/max pass over the watched layers'
+gradients and a handful of tensor operations, rides on the same copy, and writes its scalars to
+a TensorBoard SummaryWriter as one event.
 """
 
 from __future__ import annotations
@@ -54,20 +58,25 @@ def named_parameters(source: Any) -> list[tuple[str, Any]]:
     return [(str(i), p) for i, p in enumerate(items)]
 
 
-def grad_norms(grads: Sequence[Any], norm_type: float = 2.0, foreach: bool | None = None) -> tuple[Any, Any]:
+def grad_norms(grads: Sequence[Any], norm_type: float = 2.0, foreach: bool | None = None,
+               groups: list | None = None) -> tuple[Any, Any]:
     """Per-tensor norms (in the order of ``grads``) and their total, on the device, computed exactly
-    as torch.nn.utils.get_total_norm computes the total."""
+    as torch.nn.utils.get_total_norm computes the total. ``groups``, a list, receives the gradients
+    grouped by device and dtype as (device, gradients, whether the foreach kernels serve them)."""
 
     first_device = grads[0].device
     norms, order = [], []
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([device_grads], indices) in grouped.items():
-        if (foreach is None and _has_foreach_support(device_grads, device)) or (
-                foreach and _device_has_foreach_support(device)):
+        fused = (foreach is None and _has_foreach_support(device_grads, device)) or bool(
+            foreach and _device_has_foreach_support(device))
+        if fused:
             norms.extend(torch._foreach_norm(device_grads, norm_type))
         else:
             norms.extend([torch.linalg.vector_norm(g, norm_type) for g in device_grads])
         order.extend(indices)
+        if groups is not None:
+            groups.append((device, device_grads, fused))
     stacked = torch.stack([n.to(first_device) for n in norms])
     total = torch.linalg.vector_norm(stacked, norm_type)
     if order != list(range(len(order))):  # back to the caller's order, on the device
@@ -75,6 +84,22 @@ def grad_norms(grads: Sequence[Any], norm_type: float = 2.0, foreach: bool | Non
         inverse[torch.tensor(order)] = torch.arange(len(order))
         stacked = stacked[inverse.to(first_device)]
     return stacked, total
+
+
+def _clip(groups: list, max_norm: float, total: Any, foreach: bool | None) -> Any:
+    """torch.nn.utils.clip_grads_with_norm_ over the groups grad_norms made (the same operations,
+    without grouping the gradients again); returns the clipping scale."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for device, device_grads, fused in groups:
+        if fused:
+            torch._foreach_mul_(device_grads, coef.to(device))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            on_device = coef.to(device)
+            for grad in device_grads:
+                grad.mul_(on_device)
+    return coef
 
 
 class _HostCopy:
@@ -88,7 +113,7 @@ class _HostCopy:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = tensor.detach().clone()
+            self.host = tensor.detach()  # a fresh tensor of this step's values: nothing to copy
             self.event = None
 
     def ready(self) -> bool:
@@ -104,11 +129,14 @@ class GradMonitor:
     ``source``: a Module, (name, parameter) pairs, plain parameters or param groups. ``layers``:
     which layers to log ("all", indices over the repeated blocks, or name globs; default
     0,1,n//2,-2,-1). ``writer``: anything with ``add_scalar(tag, value, step)`` (a TensorBoard
-    SummaryWriter). Statistics are logged every ``log_every`` steps, or every step while a window
-    opened by ``enable`` lasts. A step whose clipping scale falls below ``clip_threshold``, or
-    whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
-    as a warning and kept in ``reports``.
+    SummaryWriter, which gets each step's scalars as one event). Statistics of the gradients
+    before clipping are logged every ``log_every`` steps, or every step while a window opened by
+    ``enable`` lasts. A step whose clipping scale falls below ``clip_threshold``, or whose
+    gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged as a
+    warning and kept in ``reports``.
     """
+
+    TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG) -> None:
@@ -119,13 +147,14 @@ class GradMonitor:
         self.params = [p for _, p in pairs]
         groups, _ = layer_groups(self.names)
         self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
+        self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
         self.writer, self.log_every, self.clip_threshold = writer, log_every, clip_threshold
         self.top_k, self.logger = top_k, logger
         self.step = 0
         self.window_end = -1
         self.reports: list[DominanceReport] = []
         self._pending: list[_HostCopy] = []
-        self._index: Any = None  # (device, watched parameters, per-layer index tensors)
+        self._plan: _StatsPlan | None = None  # what _layer_stats gathers
         self.last_norms: Any = None  # per-parameter norms of the last step, on the device
         self.last_total: Any = None
         self.last_coef: Any = None
@@ -142,24 +171,26 @@ class GradMonitor:
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not live:
             return torch.tensor(0.0)
-        grads = [self.params[i].grad for i in live]
-        norms, total = grad_norms(grads, norm_type, foreach)
-        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                               "so it cannot be clipped. To disable this error and scale the gradients by the "
-                               "non-finite norm anyway, set `error_if_nonfinite=False`")
-        torch.nn.utils.clip_grads_with_norm_([self.params[i] for i in live], max_norm, total, foreach)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if len(live) < len(self.params):  # parameters without a gradient count as zero
-            full = torch.zeros(len(self.params), dtype=norms.dtype, device=norms.device)
-            full[torch.tensor(live, device=norms.device)] = norms
-            norms = full
+        with torch.no_grad():
+            groups: list = []
+            norms, total = grad_norms([self.params[i].grad for i in live], norm_type, foreach, groups)
+            if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+                raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                                   "non-finite, so it cannot be clipped. To disable this error and scale the "
+                                   "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            if len(live) < len(self.params):  # parameters without a gradient count as zero
+                full = torch.zeros(len(self.params), dtype=norms.dtype, device=norms.device)
+                full[torch.tensor(live, device=norms.device)] = norms
+                norms = full
+            logged = self.writer is not None and (step % self.log_every == 0 or step <= self.window_end)
+            stats = self._layer_stats(norms, total, norm_type) if logged else None  # before clipping
+            coef = _clip(groups, max_norm, total, foreach)
         self.last_norms, self.last_total, self.last_coef = norms, total, coef
-        flag = torch.logical_or(coef < self.clip_threshold, ~torch.isfinite(total))
-        self._pending.append(_HostCopy(torch.stack([flag.to(total.dtype), total, coef]),
-                                       ("flag", step, norms, norm_type)))
-        if self.writer is not None and (step % self.log_every == 0 or step <= self.window_end):
-            self._pending.append(_HostCopy(self._layer_stats(norms, total, norm_type), ("stats", step)))
+        head = torch.stack([total, coef])
+        payload = head if stats is None else torch.cat([head, stats.reshape(-1)])
+        if payload.dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
+            payload = payload.float()
+        self._pending.append(_HostCopy(payload, (step, norms, logged)))
         self._drain()  # on the CPU the copies have arrived already: report this step's own gradients
         return total
 
@@ -181,30 +212,34 @@ class GradMonitor:
 
     # -------------------------------------------------------------- statistics
 
-    TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
-
     def _layer_stats(self, norms: Any, total: Any, norm_type: float) -> Any:
-        """[norm, min, max, absmax, share] per watched layer, on the device, in one tensor."""
-        device = norms.device
-        if self._index is None or self._index[0] != device:
-            watched = sorted({i for indices in self.layers.values() for i in indices})
-            position = {i: k for k, i in enumerate(watched)}
-            self._index = (device, watched, [(torch.tensor(idx, device=device),
-                                              torch.tensor([position[i] for i in idx], device=device))
-                                             for idx in self.layers.values()])
-        _, watched, index = self._index
-        zero = torch.zeros((), dtype=norms.dtype, device=device)
-        pairs = [torch.aminmax(self.params[i].grad) if self.params[i].grad is not None else (zero, zero)
-                 for i in watched]
-        lows = torch.stack([low.to(norms.dtype) for low, _ in pairs])
-        highs = torch.stack([high.to(norms.dtype) for _, high in pairs])
-        rows = []
-        for members, positions in index:
-            layer_norm = torch.linalg.vector_norm(norms[members], norm_type)
-            low, high = lows[positions].min(), highs[positions].max()
-            rows.append(torch.stack([layer_norm, low, high, torch.maximum(low.abs(), high.abs()),
-                                     layer_norm**2 / total**2]))
-        return torch.stack(rows) if rows else torch.zeros((0, 5), device=device)
+        """[norm, min, max, absmax, share] per watched layer, on the device, in one tensor.
+
+        A layer's norm is the norm of its parameters' norms (already computed for clipping),
+        gathered as a padded matrix, a row per layer. Each watched gradient's min and max go
+        straight into a buffer (one aminmax each, the only pass over the gradients), gathered the
+        same way. No Python loop over layers, and no host read."""
+        device, dtype = norms.device, norms.dtype
+        if self._plan is None or self._plan.key != (device, dtype, norm_type):
+            self._plan = _StatsPlan(self.layers, len(self.params), device, dtype, norm_type)
+        plan = self._plan
+        if not plan.watched:
+            return torch.zeros((0, len(self.TAGS)), dtype=dtype, device=device)
+        for i, low, high in zip(plan.watched, plan.lows, plan.highs):
+            grad = self.params[i].grad
+            if grad is None or grad.numel() == 0:  # a missing gradient counts as zero
+                low.zero_()
+                high.zero_()
+            elif grad.dtype == dtype and grad.device == device:
+                torch.aminmax(grad, out=(low, high))
+            else:
+                found = torch.aminmax(grad)
+                low.copy_(found[0])
+                high.copy_(found[1])
+        layer_norm = torch.linalg.vector_norm(torch.cat([norms, plan.norm_pad])[plan.norm_index], norm_type, dim=1)
+        lowest, highest = torch.aminmax(plan.extremes[:, plan.minmax_index], dim=2)  # rows: minima, maxima
+        low, high = lowest[0], highest[1]
+        return torch.stack([layer_norm, low, high, torch.maximum(high, -low), (layer_norm / total).square()], dim=1)
 
     def _drain(self) -> None:
         """Process the copies that have arrived; keep the others for later."""
@@ -213,23 +248,71 @@ class GradMonitor:
             if not copy.ready():
                 waiting.append(copy)
                 continue
-            kind = copy.payload[0]
-            if kind == "flag":
-                flag, total, coef = copy.values()
-                if flag:
-                    _, step, norms, _ = copy.payload
-                    reason = ("non-finite gradient norm" if not np.isfinite(total) else
-                              f"clipping scale {coef:.3g} below {self.clip_threshold:g}")
-                    report = dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step,
-                                              reason=reason, total_norm=float(total), clip_coef=float(coef))
-                    self.reports.append(report)
-                    self.logger.warning("%s", report)
-            else:
-                _, step = copy.payload
-                for (layer, values) in zip(self.layers, copy.values()):
-                    for tag, value in zip(self.TAGS, values):
-                        self.writer.add_scalar(f"{tag}/{layer}", float(value), step)
+            values = copy.values()
+            step, norms, logged = copy.payload
+            total, coef = values[0], values[1]
+            if not np.isfinite(total) or coef < values.dtype.type(self.clip_threshold):
+                reason = ("non-finite gradient norm" if not np.isfinite(total) else
+                          f"clipping scale {coef:.3g} below {self.clip_threshold:g}")
+                report = dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step,
+                                          reason=reason, total_norm=float(total), clip_coef=float(coef))
+                self.reports.append(report)
+                self.logger.warning("%s", report)
+            if logged:
+                write_scalars(self.writer, step, self.tags, values[2:].tolist())
         self._pending = waiting
+
+
+class _StatsPlan:
+    """What GradMonitor's per-layer statistics gather, made once per device, dtype and norm type:
+    index matrices, a row per watched layer, padded with an entry that changes nothing; into the
+    per-parameter norms (padded with 0, or inf for a negative norm order) and into the buffer of
+    the watched gradients' minima and maxima (padded with +inf and -inf)."""
+
+    def __init__(self, layers: dict[str, list[int]], count: int, device: Any, dtype: Any, norm_type: float) -> None:
+        self.key = (device, dtype, norm_type)
+        self.watched = sorted({i for indices in layers.values() for i in indices})
+        position = {i: k for k, i in enumerate(self.watched)}
+        width = max((len(indices) for indices in layers.values()), default=0)
+        pad = [width - len(indices) for indices in layers.values()]
+        self.norm_index = torch.tensor([indices + [count] * n for indices, n in zip(layers.values(), pad)],
+                                       dtype=torch.long, device=device).reshape(len(layers), width)
+        self.minmax_index = torch.tensor([[position[i] for i in indices] + [len(self.watched)] * n
+                                          for indices, n in zip(layers.values(), pad)],
+                                         dtype=torch.long, device=device).reshape(len(layers), width)
+        self.norm_pad = torch.full((1,), 0.0 if norm_type >= 0 else float("inf"), dtype=dtype, device=device)
+        # the watched gradients' minima, then their maxima, each row padded; 0-dim views of its
+        # entries are the out= of each gradient's aminmax
+        self.extremes = torch.tensor([float("inf"), float("-inf")], dtype=dtype, device=device)[:, None].repeat(
+            1, len(self.watched) + 1)
+        self.lows = list(self.extremes[0, :-1].unbind())
+        self.highs = list(self.extremes[1, :-1].unbind())
+
+
+def write_scalars(writer: Any, step: int, tags: Sequence[str], values: Sequence[float]) -> None:
+    """``writer.add_scalar(tag, value, step)`` for each tag, in effect. PyTorch's own SummaryWriter
+    (not a subclass that may do more in add_scalar) gets them as one event with one value per tag,
+    the summary add_scalar would make for each: add_scalar costs tens of microseconds in Python."""
+    file_writer = _plain_summary_writer(writer)
+    if file_writer is None:
+        for tag, value in zip(tags, values):
+            writer.add_scalar(tag, value, step)
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    value = Summary.Value
+    file_writer.add_summary(Summary(value=[value(tag=t, simple_value=v) for t, v in zip(tags, values)]), step)
+
+
+def _plain_summary_writer(writer: Any) -> Any:
+    """The file writer of a torch.utils.tensorboard.SummaryWriter whose add_scalar is PyTorch's, else None."""
+    if not type(writer).__module__.startswith("torch.utils.tensorboard"):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not isinstance(writer, SummaryWriter) or type(writer).add_scalar is not SummaryWriter.add_scalar:
+        return None
+    return writer._get_file_writer()
 
 
 def dominance_report(names: Sequence[str], params: Sequence[Any], norms: Any = None, top_k: int = 5,
