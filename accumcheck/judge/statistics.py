@@ -1,166 +1,34 @@
 """Per-tensor statistics: native (A) against manual (B), both against E and S.
 
-One fused pass over each tensor computes every statistic (compiled with numba, parallel over
-chunks), so judging a 20M-element tensor costs about as much as reading it once. Values are
-promoted to float64 element by element; nothing here imports a deep-learning framework. The
+One reduction over each tensor computes what every statistic needs (``kernel``: compiled with
+numba, at the speed of reading the four arrays once), or a backend's reduction on the device where
+the arrays live. Values are promoted to float64 element by element; nothing here imports a
+deep-learning framework. The
 verdict is made from these figures once, in ``accumcheck.judge.verdicts``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
-import numba
 import numpy as np
 
 from ..bounds import CLASSIC_TOLERANCES, UNIT_ROUNDOFF, ModeBound
+from .kernel import Reduction, reduce_on_host
 from .ratio import bound_ratios, unravel
 
-_CHUNK = 1 << 16
-_MAX_CHUNKS = 4096
+# A reduction where the arrays live: (rel_A, abs_A, rel_B, abs_B, rtol, atol) -> the Reduction and
+# a function giving S at a flat index.
+Reducer = Callable[[float, float, float, float, float, float], tuple[Reduction, Callable[[int], float]]]
 
-# Columns of the kernel's per-chunk output.
-(_MAX_E, _NONFIN_A, _NONFIN_B, _NONFIN_E, _NDIFF, _MAX_DIFF, _MAX_REL, _NCLASSIC, _MAX_ULPS,
- _RATIO_A, _RATIO_B, _OVER_A, _OVER_B, _SUM_S, _SUM_ABS_E, _SQ_ERR_A, _SQ_ERR_B, _MAX_ERR_A,
- _MAX_ERR_B, _SQ_E, _DIFF_RATIO, _NSTATS) = range(22)
-
-
-_BLOCK = 256  # elements checked for native == manual at once; equal blocks skip the A-B statistics
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _chunk_stats(a, b, a_bits, b_bits, sign_flip, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks):
-    n = a.size
-    step = (n + chunks - 1) // chunks
-    out = np.zeros((chunks, _NSTATS))
-    where = np.full((chunks, 3), -1, np.int64)  # argmax of max_diff, ratio_a, ratio_b
-    for c in numba.prange(chunks):
-        lo = c * step
-        hi = min(n, lo + step)
-        max_e = 0.0
-        nonfin_a = 0.0
-        nonfin_b = 0.0
-        nonfin_e = 0.0
-        ndiff = 0.0
-        max_diff = 0.0
-        max_rel = 0.0
-        nclassic = 0.0
-        max_ulps = 0.0
-        ratio_a = 0.0
-        ratio_b = 0.0
-        over_a = 0.0
-        over_b = 0.0
-        sum_s = 0.0
-        sum_abs_e = 0.0
-        sq_err_a = 0.0
-        sq_err_b = 0.0
-        max_err_a = 0.0
-        max_err_b = 0.0
-        sq_e = 0.0
-        diff_ratio = 0.0
-        i_diff = -1
-        i_a = -1
-        i_b = -1
-        for block in range(lo, hi, _BLOCK):
-            end = min(hi, block + _BLOCK)
-            equal = True
-            for i in range(block, end):
-                equal &= a[i] == b[i]
-            for i in range(block, end):
-                x = np.float64(a[i])
-                y = np.float64(b[i])
-                ex = e[i]
-                if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(ex)):
-                    nonfin_a += not np.isfinite(x)
-                    nonfin_b += not np.isfinite(y)
-                    nonfin_e += not np.isfinite(ex)
-                    ndiff += not (x == y or (np.isnan(x) and np.isnan(y)))
-                    continue
-                sx = s[i]
-                abs_e = abs(ex)
-                max_e = abs_e if abs_e > max_e else max_e
-                sum_s += sx
-                sum_abs_e += abs_e
-                sq_e += ex * ex
-                # Each mode against E, and against its bound (divide only for a new maximum).
-                da = abs(x - ex)
-                db = abs(y - ex)
-                sq_err_a += da * da
-                sq_err_b += db * db
-                max_err_a = da if da > max_err_a else max_err_a
-                max_err_b = db if db > max_err_b else max_err_b
-                bound_a = rel_a * sx + abs_a
-                bound_b = rel_b * sx + abs_b
-                over_a += da > bound_a
-                over_b += db > bound_b
-                if da > ratio_a * bound_a:
-                    ratio_a = da / bound_a
-                    i_a = i
-                if db > ratio_b * bound_b:
-                    ratio_b = db / bound_b
-                    i_b = i
-                if equal:
-                    continue
-                # Native against manual, as torch.testing would see it.
-                d = abs(x - y)
-                ndiff += x != y
-                if d > diff_ratio * (bound_a + bound_b):
-                    diff_ratio = d / (bound_a + bound_b)
-                if d > max_diff:
-                    max_diff = d
-                    i_diff = i
-                ay = abs(y)
-                if d > max_rel * ay:
-                    max_rel = d / ay if ay > 0.0 else np.inf
-                nclassic += d > atol + rtol * ay
-                # Distance in ulps: map the bit patterns onto a monotonic integer line.
-                oa = np.int64(a_bits[i])
-                ob = np.int64(b_bits[i])
-                if oa < 0:
-                    oa = sign_flip - oa
-                if ob < 0:
-                    ob = sign_flip - ob
-                if (oa >= 0) == (ob >= 0):
-                    ulps = np.float64(abs(oa - ob))  # exact below 2^53 ulps
-                else:
-                    ulps = abs(np.float64(oa) - np.float64(ob))  # opposite signs: huge, cannot overflow
-                max_ulps = ulps if ulps > max_ulps else max_ulps
-        row = out[c]
-        row[_MAX_E] = max_e
-        row[_NONFIN_A] = nonfin_a
-        row[_NONFIN_B] = nonfin_b
-        row[_NONFIN_E] = nonfin_e
-        row[_NDIFF] = ndiff
-        row[_MAX_DIFF] = max_diff
-        row[_MAX_REL] = max_rel
-        row[_NCLASSIC] = nclassic
-        row[_MAX_ULPS] = max_ulps
-        row[_RATIO_A] = ratio_a
-        row[_RATIO_B] = ratio_b
-        row[_OVER_A] = over_a
-        row[_OVER_B] = over_b
-        row[_SUM_S] = sum_s
-        row[_SUM_ABS_E] = sum_abs_e
-        row[_SQ_ERR_A] = sq_err_a
-        row[_SQ_ERR_B] = sq_err_b
-        row[_MAX_ERR_A] = max_err_a
-        row[_MAX_ERR_B] = max_err_b
-        row[_SQ_E] = sq_e
-        row[_DIFF_RATIO] = diff_ratio
-        where[c, 0] = i_diff
-        where[c, 1] = i_a
-        where[c, 2] = i_b
-    return out, where
-
-
-_BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64, np.dtype(np.float16): np.int16}
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _as_float(array: np.ndarray) -> np.ndarray:
     array = np.ascontiguousarray(array)
-    if array.dtype not in _BITS:
-        array = array.astype(np.float32)  # bfloat16 and friends are exact in float32
+    if array.dtype not in _KERNEL_DTYPES:
+        array = array.astype(np.float32)  # float16, bfloat16 and friends are exact in float32
     return array.reshape(-1)
 
 
@@ -176,6 +44,7 @@ def tensor_figures(
     oracle: np.ndarray | None = None,
     reference_bound: ModeBound | None = None,
     ulps: bool = False,
+    reducer: Reducer | None = None,
 ) -> dict[str, Any]:
     """Every figure of one parameter tensor (TensorResult's fields but the verdict), plus
     ``nonfinite``, the count of non-finite elements. ``exact`` (E) and ``absum`` (S) are float64
@@ -183,76 +52,92 @@ def tensor_figures(
     alone. ``reference_bound`` (for native parameters of a lower precision than the accumulation
     dtype) is the bound of the accumulation dtype: native's worst ratio to it becomes
     ``precision_ratio``, and both modes' errors are reported in float32 ulps (``ulps`` asks for
-    those alone)."""
-    shape = tuple(np.shape(exact))
-    a, b = _as_float(native), _as_float(manual)
-    if a.dtype != b.dtype:
-        wider = np.promote_types(a.dtype, b.dtype)
-        a, b = a.astype(wider), b.astype(wider)
-    e = np.ascontiguousarray(exact, np.float64).reshape(-1)
-    s = np.ascontiguousarray(absum, np.float64).reshape(-1)
-    if not a.size == b.size == e.size == s.size:
-        raise ValueError(f"{name}: native, manual, exact and absum differ in size "
-                         f"({a.size}, {b.size}, {e.size}, {s.size})")
-    dtype = str(a.dtype)
+    those alone). ``reducer``, when given, reduces the four arrays where they live (a backend's
+    device, ``kernel.Reduction``'s figures) instead of the host kernel; the arrays themselves are
+    then read only for the figures it does not give (float32 ulps, the oracle)."""
+    shape = tuple(exact.shape)
+    numel = math.prod(shape)
+    dtype = str(np.promote_types(_judged_dtype(native.dtype), _judged_dtype(manual.dtype)))
     rtol, atol = CLASSIC_TOLERANCES.get(native_bound.dtype, CLASSIC_TOLERANCES[dtype])
-    chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
-    bits = _BITS[a.dtype]
-    # The root-mean-square of S: the scale of a kernel allowance, and of the predicted round-off spread.
-    s_rms = float(np.sqrt(np.dot(s, s) / s.size)) if s.size else 0.0
-    allowance_rms = s_rms if native_bound.tensor or manual_bound.tensor else 0.0
-    out, where = _chunk_stats(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), e, s,
-                              native_bound.relative, native_bound.floor(allowance_rms), manual_bound.relative,
-                              manual_bound.floor(allowance_rms), rtol, atol, chunks)
-    total, peak = out.sum(axis=0), out.max(axis=0)  # one row per chunk, and at least one chunk
-
-    def arg(column: int, which: int) -> int:
-        return int(where[int(np.argmax(out[:, column])), which])
-
-    ratio_a, ratio_b = float(peak[_RATIO_A]), float(peak[_RATIO_B])
-    worst_mode = "native" if ratio_a >= ratio_b else "manual"
-    worst_flat = arg(_RATIO_A, 1) if worst_mode == "native" else arg(_RATIO_B, 2)
+    # The root-mean-square of S scales a kernel allowance (a bound's floor), so it is needed first.
+    allowance_rms = _rms(absum) if native_bound.tensor or manual_bound.tensor else 0.0
+    rel_a, abs_a = native_bound.relative, native_bound.floor(allowance_rms)
+    rel_b, abs_b = manual_bound.relative, manual_bound.floor(allowance_rms)
+    if reducer is not None:
+        r, s_at = reducer(rel_a, abs_a, rel_b, abs_b, rtol, atol)
+    else:
+        a, b = _as_float(native), _as_float(manual)
+        if a.dtype != b.dtype:
+            a, b = a.astype(dtype), b.astype(dtype)
+        e = np.ascontiguousarray(exact, np.float64).reshape(-1)
+        s = np.ascontiguousarray(absum, np.float64).reshape(-1)
+        if not a.size == b.size == e.size == s.size:
+            raise ValueError(f"{name}: native, manual, exact and absum differ in size "
+                             f"({a.size}, {b.size}, {e.size}, {s.size})")
+        r = reduce_on_host(a, b, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol)
+        s_at = lambda flat: float(s[flat])  # noqa: E731
+    s_rms = math.sqrt(r.sum_sq_s / numel) if numel else 0.0
+    worst_mode = "native" if r.ratio_a >= r.ratio_b else "manual"
+    worst_flat = r.index_a if worst_mode == "native" else r.index_b
     worst_bound = native_bound if worst_mode == "native" else manual_bound
-    bound_at_worst = worst_bound.at(float(s[worst_flat]) if worst_flat >= 0 else 0.0, allowance_rms)
-    nonfinite = int(total[_NONFIN_A] + total[_NONFIN_B] + total[_NONFIN_E])
-    sum_abs_e = float(total[_SUM_ABS_E])
-    condition = float(total[_SUM_S]) / sum_abs_e if sum_abs_e > 0 else (math.inf if total[_SUM_S] > 0 else 1.0)
-    norm_e = math.sqrt(total[_SQ_E])
-    err2_a, err2_b = math.sqrt(total[_SQ_ERR_A]), math.sqrt(total[_SQ_ERR_B])
+    bound_at_worst = worst_bound.at(s_at(worst_flat) if worst_flat >= 0 else 0.0, allowance_rms)
+    nonfinite = r.nonfinite_a + r.nonfinite_b + r.nonfinite_e
+    condition = r.sum_s / r.sum_abs_e if r.sum_abs_e > 0 else (math.inf if r.sum_s > 0 else 1.0)
+    norm_e = math.sqrt(r.sum_sq_e)
+    err2_a, err2_b = math.sqrt(r.sum_sq_err_a), math.sqrt(r.sum_sq_err_b)
 
     def relative(err: float) -> float:
         return err / norm_e if norm_e > 0 else (0.0 if err == 0 else math.inf)
 
     figures: dict[str, Any] = dict(
-        name=name, kind=kind, shape=list(shape), dtype=dtype, numel=int(a.size), nonfinite=nonfinite,
-        max_abs_grad=float(peak[_MAX_E]), mismatched=int(total[_NDIFF]), max_abs_diff=float(peak[_MAX_DIFF]),
-        max_abs_diff_index=unravel(arg(_MAX_DIFF, 0), shape), max_rel_diff=float(peak[_MAX_REL]),
-        max_ulps=float(peak[_MAX_ULPS]), classic_mismatched=int(total[_NCLASSIC]), classic_rtol=rtol,
-        classic_atol=atol, ratio=max(ratio_a, ratio_b), worst_mode=worst_mode,
-        worst_index=unravel(worst_flat, shape), bound_at_worst=bound_at_worst, ratio_native=ratio_a,
-        ratio_manual=ratio_b, over_bound_native=int(total[_OVER_A]), over_bound_manual=int(total[_OVER_B]),
-        err_native=float(peak[_MAX_ERR_A]), err_manual=float(peak[_MAX_ERR_B]),
+        name=name, kind=kind, shape=list(shape), dtype=dtype, numel=numel, nonfinite=nonfinite,
+        max_abs_grad=r.max_e, mismatched=r.mismatched, max_abs_diff=r.max_diff,
+        max_abs_diff_index=unravel(r.index_diff, shape), max_rel_diff=r.max_rel,
+        max_ulps=r.max_ulps, classic_mismatched=r.classic_mismatched, classic_rtol=rtol,
+        classic_atol=atol, ratio=max(r.ratio_a, r.ratio_b), worst_mode=worst_mode,
+        worst_index=unravel(worst_flat, shape), bound_at_worst=bound_at_worst, ratio_native=r.ratio_a,
+        ratio_manual=r.ratio_b, over_bound_native=r.over_a, over_bound_manual=r.over_b,
+        err_native=r.max_err_a, err_manual=r.max_err_b,
         rel_err_native=relative(err2_a), rel_err_manual=relative(err2_b), condition=condition,
         nearer="tie" if err2_a == err2_b else ("native" if err2_a < err2_b else "manual"),
-        nonfinite_native=int(total[_NONFIN_A]), nonfinite_manual=int(total[_NONFIN_B]),
-        grad_sum_sq=float(total[_SQ_E]), diff_ratio=float(peak[_DIFF_RATIO]),
+        nonfinite_native=r.nonfinite_a, nonfinite_manual=r.nonfinite_b,
+        grad_sum_sq=r.sum_sq_e, diff_ratio=r.diff_ratio,
         # The statistical tier's spreads (root-mean-square over the tensor): predicted by the
         # probabilistic model, u sqrt(N - 1) S, and each mode's measured error against E.
         spread_predicted=UNIT_ROUNDOFF[manual_bound.dtype] * math.sqrt(max(manual_bound.roundings, 1)) * s_rms,
-        spread_native=err2_a / math.sqrt(a.size) if a.size else 0.0,
-        spread_manual=err2_b / math.sqrt(a.size) if a.size else 0.0,
+        spread_native=err2_a / math.sqrt(numel) if numel else 0.0,
+        spread_manual=err2_b / math.sqrt(numel) if numel else 0.0,
     )
     if (reference_bound is not None or ulps) and not nonfinite:
+        a, b = _as_float(native), _as_float(manual)
+        e = np.asarray(exact, np.float64).reshape(-1)
+        s = np.asarray(absum, np.float64).reshape(-1)
         precision_ratio, figures["err_ulps_native"], figures["err_ulps_manual"] = _precision(
             a, b, e, s, reference_bound or native_bound, allowance_rms)
         if reference_bound is not None:
             figures["precision_ratio"] = precision_ratio
     if oracle is not None:
+        a, b = _as_float(native), _as_float(manual)
+        e = np.asarray(exact, np.float64).reshape(-1)
         o = np.asarray(oracle, np.float64).reshape(-1)
         figures["oracle_err_native"] = float(np.max(np.abs(a - o), initial=0.0))
         figures["oracle_err_manual"] = float(np.max(np.abs(b - o), initial=0.0))
         figures["oracle_err_exact"] = float(np.max(np.abs(e - o), initial=0.0))
     return figures
+
+
+def _judged_dtype(dtype: Any) -> np.dtype:
+    """The dtype the kernel reads an array in: its own, float32 for those it cannot (bfloat16)."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # a name numpy does not know ("bfloat16")
+        return np.dtype(np.float32)
+    return dtype if dtype in _KERNEL_DTYPES else np.dtype(np.float32)
+
+
+def _rms(absum: np.ndarray) -> float:
+    s = np.ascontiguousarray(absum, np.float64).reshape(-1)
+    return float(np.sqrt(np.dot(s, s) / s.size)) if s.size else 0.0
 
 
 def _precision(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, bound: ModeBound,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from accumcheck.bounds import ModeBound
-from accumcheck.judge import ILL_CONDITIONED, compare_tensor, statistics
+from accumcheck.judge import ILL_CONDITIONED, compare_tensor, kernel, statistics
 
 F32 = np.float32
 U = 2.0**-24
@@ -185,16 +185,16 @@ def quartered(native, manual, exact, absum, **kw):
                           np.asarray(absum, float), QUARTER, QUARTER, **kw)
 
 
-def test_the_pass_runs_over_chunks_of_65536_elements(monkeypatch):
+def test_the_pass_runs_over_chunks_of_a_mebi_element(monkeypatch):
     chunks = []
-    kernel = statistics._chunk_stats
+    reduce = kernel._reduce
 
     def recording(*args):
         chunks.append(args[-1])
-        return kernel(*args)
+        return reduce(*args)
 
-    monkeypatch.setattr(statistics, "_chunk_stats", recording)
-    for n in (0, 1, 65536, 65537, 3 * 65536 + 5):
+    monkeypatch.setattr(kernel, "_reduce", recording)
+    for n in (0, 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5):
         x = np.ones(n, F32)
         assert judge(x, x, x, x).verdict == "identical"
     assert chunks == [1, 1, 1, 2, 4]

@@ -1,0 +1,315 @@
+"""The per-tensor reduction every verdict reads, compiled for the host (numba).
+
+Native A and manual B (float32, float16 or float64) against the float64 sums E and S, reduced to
+a few dozen scalars (``Reduction``). The work runs at the speed of reading the four arrays: each
+chunk of the tensor is cut into blocks small enough to stay in the L1 cache, and each block is
+read by loops that vectorise (no division, no branch per element):
+
+1. whether A and B differ anywhere in the block (in their own dtype);
+2. one fused loop: all finite, over-bound counts, the sums (reassociated into SIMD lanes, so their
+   last bits depend on the CPU's vector width), whether any element could beat a running maximum
+   (a test that may say yes too often, never too rarely), and, only where A and B differ, the
+   native-against-manual figures (ulps, relative difference, the classic tolerance counts);
+3. only where (2) said so, a scalar rescan that finds the new maxima and where they are.
+
+A block holding a non-finite value is judged by the plain scalar loop. Every maximum is the exact
+maximum of its element-wise quotient (``max_i fl(d_i / b_i)``), the first index holding it, so
+another implementation (``accumcheck.frameworks.torch.judging``, on the device where the
+gradients live) computes the same figures bit for bit but for the sums' last bits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+_CHUNK = 1 << 20  # elements per chunk: each thread takes whole chunks; few chunks, few new maxima
+_MAX_CHUNKS = 4096
+_BLOCK = 256  # elements per block: four arrays of them stay in L1
+# A filter compares d > r * b * SLACK: below r * b by more than the product's rounding, so the
+# filter never misses an element whose quotient fl(d / b) exceeds r; thresholds under TINY (where
+# rounding is not relative) always pass.
+SLACK = 1.0 - 2.0 ** -50
+TINY = 1e-290
+
+
+class Reduction(NamedTuple):
+    """One tensor reduced: totals over its finite elements (those where A, B and E are all finite)
+    and the maxima with the first flat index holding each (-1 when no element qualifies)."""
+
+    nonfinite_a: int
+    nonfinite_b: int
+    nonfinite_e: int
+    mismatched: int  # A != B (a NaN against a NaN counts as equal)
+    classic_mismatched: int  # |A - B| > atol + rtol |B|
+    over_a: int  # |A - E| > bound_A
+    over_b: int
+    max_e: float  # max |E|
+    max_err_a: float  # max |A - E|
+    max_err_b: float
+    ratio_a: float  # max |A - E| / bound_A
+    index_a: int
+    ratio_b: float
+    index_b: int
+    max_diff: float  # max |A - B|
+    index_diff: int
+    max_rel: float  # max |A - B| / |B| (infinite where B = 0)
+    max_ulps: float  # max distance in units in the last place of A's dtype
+    diff_ratio: float  # max |A - B| / (bound_A + bound_B)
+    sum_s: float
+    sum_abs_e: float
+    sum_sq_e: float
+    sum_sq_err_a: float
+    sum_sq_err_b: float
+    sum_sq_s: float
+
+
+_NSUMS = 6  # sum_s, sum_abs_e, sum_sq_e, sum_sq_err_a, sum_sq_err_b, sum_sq_s
+_NCOUNTS = 7  # nonfinite a, b, e, mismatched, classic, over a, over b
+_NMAX = 9  # max_e, max_err_a, max_err_b, ratio_a, ratio_b, max_diff, max_rel, max_ulps, diff_ratio
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _count_differ(a, b, lo, hi):
+    """How many elements of [lo, hi) differ between A and B (in their own dtype)."""
+    differ = 0
+    for i in range(lo, hi):
+        differ += a[i] != b[i]
+    return differ
+
+
+# The two loops every block goes through, one of them. Their sums are the only reassociated
+# arithmetic of the kernel (vectorised into SIMD lanes); every comparison is the exact one. A
+# non-finite value makes ``bad`` non-zero, and the block is judged again by the scalar loop.
+
+@numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
+def _block_equal(a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks):
+    """A == B over [lo, hi): (bad, over_a, over_b, moves, the six sums)."""
+    max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
+    bad = over_a = over_b = moves = 0
+    t0 = t1 = t2 = t3 = t5 = 0.0
+    for i in range(lo, hi):
+        x = np.float64(a[i])
+        ex = e[i]
+        sx = s[i]
+        da = abs(x - ex)
+        bad += not (da < np.inf)  # NaN or infinity in A or E (or an overflow: rescanned)
+        bound_a = rel_a * sx + abs_a
+        bound_b = rel_b * sx + abs_b
+        over_a += da > bound_a
+        over_b += da > bound_b
+        moves += (abs(ex) > max_e) | (da > least_err) | _may_beat(da, r_a, bound_a) | _may_beat(da, r_b, bound_b)
+        t0 += sx
+        t1 += abs(ex)
+        t2 += ex * ex
+        t3 += da * da
+        t5 += sx * sx
+    return bad, over_a, over_b, moves, t0, t1, t2, t3, t3, t5
+
+
+@numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
+def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks):
+    """A and B differ somewhere in [lo, hi): (bad, over_a, over_b, moves, the six sums, classic).
+    More than M ulps between x and y of one sign needs |x - y| > M ulp(min(|x|, |y|)) > M min(|x|,
+    |y|) / ``precision`` (2^p for a p-bit significand): the ulps' filter, without bit patterns (a
+    change of sign is always rescanned)."""
+    max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
+    max_diff, max_rel, diff_ratio, max_ulps = peaks[5], peaks[6] * SLACK, peaks[8] * SLACK, peaks[7] * SLACK
+    bad = over_a = over_b = moves = classic = 0
+    t0 = t1 = t2 = t3 = t4 = t5 = 0.0
+    for i in range(lo, hi):
+        x = np.float64(a[i])
+        y = np.float64(b[i])
+        ex = e[i]
+        sx = s[i]
+        da = abs(x - ex)
+        db = abs(y - ex)
+        bad += not (da + db < np.inf)  # NaN or infinity in A, B or E (or an overflow: rescanned)
+        bound_a = rel_a * sx + abs_a
+        bound_b = rel_b * sx + abs_b
+        over_a += da > bound_a
+        over_b += db > bound_b
+        d = abs(x - y)
+        ay = abs(y)
+        classic += d > atol + rtol * ay
+        moves += ((abs(ex) > max_e) | (max(da, db) > least_err) | _may_beat(da, r_a, bound_a)
+                  | _may_beat(db, r_b, bound_b) | (d > max_diff) | _may_beat(d, max_rel, ay)
+                  | _may_beat(d, diff_ratio, bound_a + bound_b) | (d * precision > max_ulps * min(abs(x), ay))
+                  | ((x < 0.0) != (y < 0.0)))
+        t0 += sx
+        t1 += abs(ex)
+        t2 += ex * ex
+        t3 += da * da
+        t4 += db * db
+        t5 += sx * sx
+    return bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _ulps(oa, ob, sign_flip):
+    """Distance of two bit patterns on the monotonic integer line of their floats."""
+    if oa < 0:
+        oa = sign_flip - oa
+    if ob < 0:
+        ob = sign_flip - ob
+    if (oa >= 0) == (ob >= 0):
+        return np.float64(abs(oa - ob))  # exact below 2^53 ulps
+    return abs(np.float64(oa) - np.float64(ob))  # opposite signs: huge, cannot overflow
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _quotient(d, b):
+    """d / b for d > 0 (infinite where b = 0); 0 for d = 0, so that 0 / 0 never counts."""
+    return d / b if d > 0.0 else 0.0
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _may_beat(d, r_slack, b):
+    """Whether fl(d / b) may exceed r, without a division: ``r_slack`` is r * SLACK. Never False
+    when it does (a threshold in the subnormal range, where rounding is not relative, lets any
+    d > 0 through; r = inf against b = 0 gives NaN, which nothing beats); True now and then when it
+    does not, which costs a rescan, not a figure."""
+    t = r_slack * b
+    return d > (0.0 if t < TINY else t)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol,
+            counts, peaks, where, sums, with_sums):
+    """The plain loop over [lo, hi): every figure, element by element (maxima always; the sums
+    when ``with_sums``; the counts of a finite block are taken by the caller)."""
+    for i in range(lo, hi):
+        x = np.float64(a[i])
+        y = np.float64(b[i])
+        ex = e[i]
+        if not (np.isfinite(x) and np.isfinite(y) and np.isfinite(ex)):
+            counts[0] += not np.isfinite(x)
+            counts[1] += not np.isfinite(y)
+            counts[2] += not np.isfinite(ex)
+            counts[3] += not (x == y or (np.isnan(x) and np.isnan(y)))
+            continue
+        sx = s[i]
+        da = abs(x - ex)
+        db = abs(y - ex)
+        bound_a = rel_a * sx + abs_a
+        bound_b = rel_b * sx + abs_b
+        if with_sums:
+            sums[0] += sx
+            sums[1] += abs(ex)
+            sums[2] += ex * ex
+            sums[3] += da * da
+            sums[4] += db * db
+            sums[5] += sx * sx
+            counts[5] += da > bound_a
+            counts[6] += db > bound_b
+        if abs(ex) > peaks[0]:
+            peaks[0] = abs(ex)
+        if da > peaks[1]:
+            peaks[1] = da
+        if db > peaks[2]:
+            peaks[2] = db
+        q = _quotient(da, bound_a)
+        if q > peaks[3]:
+            peaks[3] = q
+            where[1] = i
+        q = _quotient(db, bound_b)
+        if q > peaks[4]:
+            peaks[4] = q
+            where[2] = i
+        if x == y:
+            continue
+        d = abs(x - y)
+        ay = abs(y)
+        if with_sums:
+            counts[3] += 1
+            counts[4] += d > atol + rtol * ay
+        u = _ulps(np.int64(a_bits[i]), np.int64(b_bits[i]), sign_flip)
+        if u > peaks[7]:
+            peaks[7] = u
+        if d > peaks[5]:
+            peaks[5] = d
+            where[0] = i
+        q = _quotient(d, ay)
+        if q > peaks[6]:
+            peaks[6] = q
+        q = _quotient(d, bound_a + bound_b)
+        if q > peaks[8]:
+            peaks[8] = q
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks):
+    n = a.size
+    step = (n + chunks - 1) // chunks
+    all_counts = np.zeros((chunks, _NCOUNTS), np.int64)
+    all_peaks = np.zeros((chunks, _NMAX))
+    all_where = np.full((chunks, 3), -1, np.int64)  # where max_diff, ratio_a, ratio_b are
+    all_sums = np.zeros((chunks, _NSUMS))
+    for c in numba.prange(chunks):
+        counts = all_counts[c]
+        peaks = all_peaks[c]
+        where = all_where[c]
+        sums = all_sums[c]
+        for lo in range(c * step, min(n, (c + 1) * step), _BLOCK):
+            hi = min(n, c * step + step, lo + _BLOCK)
+            differ = _count_differ(a, b, lo, hi)
+            if differ:
+                bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic = _block_differ(
+                    a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks)
+            else:
+                bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5 = _block_equal(
+                    a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks)
+                classic = 0
+            if bad:
+                _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol,
+                        counts, peaks, where, sums, True)
+                continue
+            counts[3] += differ
+            counts[4] += classic
+            counts[5] += over_a
+            counts[6] += over_b
+            sums[0] += t0
+            sums[1] += t1
+            sums[2] += t2
+            sums[3] += t3
+            sums[4] += t4
+            sums[5] += t5
+            if moves:  # a maximum may have moved: find it, in order
+                _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol,
+                        counts, peaks, where, sums, False)
+    return all_counts, all_peaks, all_where, all_sums
+
+
+_BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+
+
+def reduce_on_host(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, rel_a: float, abs_a: float,
+                   rel_b: float, abs_b: float, rtol: float, atol: float) -> Reduction:
+    """The reduction of flat arrays of one length: A and B of one dtype, float32 or float64 (the
+    narrower ones are exact in float32), E and S float64; bound_X = rel_X * S + abs_X."""
+    bits = _BITS[a.dtype]
+    chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
+    precision = 2.0 ** (np.finfo(a.dtype).nmant + 1)
+    counts, peaks, where, sums = _reduce(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), precision,
+                                         e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks)
+    return combine(counts, peaks, where, sums)
+
+
+def combine(counts: np.ndarray, peaks: np.ndarray, where: np.ndarray, sums: np.ndarray) -> Reduction:
+    """One Reduction from per-chunk rows (chunks in order): counts and sums add up, each maximum is
+    the largest of the chunks' and its index the first chunk's that holds it."""
+    total, top, added = counts.sum(axis=0), peaks.max(axis=0), sums.sum(axis=0)
+
+    def at(column: int, which: int) -> int:
+        return int(where[int(np.argmax(peaks[:, column])), which]) if top[column] > 0 else -1
+
+    return Reduction(
+        nonfinite_a=int(total[0]), nonfinite_b=int(total[1]), nonfinite_e=int(total[2]), mismatched=int(total[3]),
+        classic_mismatched=int(total[4]), over_a=int(total[5]), over_b=int(total[6]), max_e=float(top[0]),
+        max_err_a=float(top[1]), max_err_b=float(top[2]), ratio_a=float(top[3]), index_a=at(3, 1),
+        ratio_b=float(top[4]), index_b=at(4, 2), max_diff=float(top[5]), index_diff=at(5, 0), max_rel=float(top[6]),
+        max_ulps=float(top[7]), diff_ratio=float(top[8]), sum_s=float(added[0]), sum_abs_e=float(added[1]),
+        sum_sq_e=float(added[2]), sum_sq_err_a=float(added[3]), sum_sq_err_b=float(added[4]),
+        sum_sq_s=float(added[5]))
