@@ -23,6 +23,7 @@ from .files import check_output_file, check_output_folder, write_or_rescue
 from .launch import launched_rank, launched_world_size
 from .options import (
     MODES,
+    OPTIONS_BY_NAME,
     REDUCTIONS,
     RUN_OPTIONS,
     STACK_FAULTS,
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the model in training mode, dropout off")
     check.add_argument("--force", action="store_true", default=None,
                        help="run even where the check's memory estimate exceeds what is available")
+    budget = OPTIONS_BY_NAME["memory_budget"]
+    check.add_argument("--memory-budget", type=budget.from_text, metavar="BYTES", help=budget.help + " (torch)")
     _add_output_options(check, plot=True)
 
     stack = sub.add_parser("stack", help="run a built-in case through a training stack and check every optimizer step")
@@ -246,7 +249,7 @@ def _check(args: argparse.Namespace) -> int:
     _check_outputs(args)
     setup = load_setup(args.setup)
     overrides = {name: getattr(args, name) for name in ("accum_steps", "inject", "oracle", "mode", "full_batch",
-                                                        "loss_reduction", "train_mode", "force")}
+                                                        "loss_reduction", "train_mode", "force", "memory_budget")}
     with _LazyProgress() as progress:
         report = run_setup(args.setup, setup, {k: v for k, v in overrides.items() if v is not None}, progress)
     _emit(report, args)

@@ -4,7 +4,8 @@ Options, hooks and fixtures only; the logic lives in the library, imported when 
 it, so that a test run that does not use accumcheck pays nothing for it being installed. Options
 (group "accumcheck") come from the same specification as the command line's:
 --accum-steps, --accum-framework, --accum-device, --accum-case (comma lists: one run of each
-test per item), --accum-world-size, --accum-report. Tests that ask for the fixtures
+test per item), --accum-world-size, --accum-memory-budget (given to ``accum_compare`` and
+``accum_check`` where the run can take it), --accum-report. Tests that ask for the fixtures
 ``accum_steps``, ``accum_framework``, ``accum_device`` or ``accum_case`` run once per
 combination; ``accum_compare`` runs a case with them and saves its report, ``accum_check`` runs
 your own model's check at the run's steps and saves its report, ``accum_stack`` runs a built-in
@@ -172,12 +173,18 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
     from .registry import default_backend, get_backend
 
     world = request.config.getoption("--accum-world-size")
+    budget = request.config.getoption("--accum-memory-budget")
     framework = accum_framework or default_backend()
 
     def run(case: str = "embed-attention", **kwargs: Any) -> Any:
         options = {"framework": framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
         if world and get_backend(framework).capabilities.data_parallel:
             options.setdefault("world_size", world)
+        from .budget import UNBUDGETED
+
+        if budget and get_backend(framework).capabilities.memory_budget and not any(
+                options.get(name) for name in UNBUDGETED):
+            options.setdefault("memory_budget", budget)
         return _saved_run(request, compare, case, **options)
 
     return run
@@ -189,10 +196,19 @@ def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Call
     (``accumcheck.<framework>.check``, the framework told by the model's class) at this run's
     steps (--accum-steps; ``accum_steps=`` when not given, default 16); the report is saved under
     --accum-report when given."""
+    import inspect
+
+    from .budget import UNBUDGETED
     from .setupfile import user_check
 
+    budget = request.config.getoption("--accum-memory-budget")
+
     def check(model: Any, *args: Any, **kwargs: Any) -> Any:
-        return user_check(model, "accum_check")[1](model, *args, **kwargs)
+        fn = user_check(model, "accum_check")[1]
+        if budget and "memory_budget" in inspect.signature(fn).parameters and not any(
+                kwargs.get(name) for name in UNBUDGETED):
+            kwargs.setdefault("memory_budget", budget)
+        return fn(model, *args, **kwargs)
 
     def run(model: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["accum_steps"] = accum_steps if accum_steps is not None else kwargs.get("accum_steps", 16)

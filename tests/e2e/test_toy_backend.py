@@ -131,6 +131,9 @@ def test_the_python_api_runs_it(toy, monkeypatch):
     assert [t.name for t in faulty.flagged] == ["linear.bias"]
     with pytest.raises(AccumcheckError, match="--world-size 2: not available with the toy backend"):
         accumcheck.compare(toy["case"], framework="toy", world_size=2)
+    with pytest.raises(AccumcheckError, match=r"^--memory-budget 1073741824: not available with the toy backend; "
+                                              r"use --framework \S+"):
+        accumcheck.compare(toy["case"], framework="toy", memory_budget="1G")  # it declares no groups
     with pytest.raises(AccumcheckError, match=r"--case tiny-grads: the toy backend builds no activation layers \(it "
                                               r"builds dense\); use a case without them or another --framework"):
         accumcheck.compare("tiny-grads", framework="toy")
