@@ -18,7 +18,7 @@ from .cases import Case
 from .config import RunConfig
 from .errors import AccumcheckError
 from .faults import Fault, parse_fault, resolve_fault
-from .files import check_output_folder
+from .files import check_output_folder, size_text
 from .launch import launched_world_size
 from .options import OPTIONS_BY_NAME, RUN_OPTIONS, Option
 from .registry import backend_names, backend_options, default_backend, get_backend
@@ -142,7 +142,7 @@ def _check_combination(values: dict[str, Any], extras: dict[str, Any], backends:
                 raise AccumcheckError(f"{option.as_flag(values[option.name])}: not available with --world-size "
                                       f"on the {backend.name} backend ({why})")
     if values["memory_budget"] is not None:
-        budget = OPTIONS_BY_NAME["memory_budget"].as_flag(values["memory_budget"])
+        budget = f"--memory-budget {size_text(values['memory_budget'])}"
         for name, why in UNBUDGETED.items():
             if _given(OPTIONS_BY_NAME[name], values):
                 raise AccumcheckError(f"{budget}: not with {OPTIONS_BY_NAME[name].as_flag(values[name])} ({why}, "
