@@ -85,6 +85,9 @@ class ParamAccumulation:
     dtype: str | None = None
     aliases: tuple[str, ...] = ()
     steps_with_grad: int | None = None
+    # Arrays judged where they live (a GPU): the backend's reduction of the four, ``statistics.Reducer``;
+    # the array fields are then read only for the figures it does not give.
+    reducer: Any = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from hypothesis import strategies as st
 
 from accumcheck.judge.kernel import Reduction
 
@@ -69,3 +70,49 @@ def assert_same(got: Reduction, want: Reduction, sum_rtol: float = 1e-12) -> Non
             assert math.isclose(g, w, rel_tol=sum_rtol, abs_tol=1e-300) or (math.isinf(g) and g == w), (field, g, w)
         else:
             assert g == w or (isinstance(g, float) and math.isnan(g) and math.isnan(w)), (field, g, w)
+
+
+# Arrays built to hit what the fast loops skip: equal and differing blocks, block edges, ties,
+# zeros, subnormals, signs, non-finite values, bounds of zero.
+SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-40, 3.0e38, -3.0e38, 1.0, -1.0, np.inf, -np.inf, np.nan]
+
+
+@st.composite
+def tensors(draw, dtypes=(np.float32, np.float64)):
+    dtype = draw(st.sampled_from(dtypes))
+    n = draw(st.sampled_from([0, 1, 7, 255, 256, 257, 600, 1300]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = 10.0 ** rng.uniform(-8, 2, n)
+    exact = rng.standard_normal(n) * scale
+    absum = np.abs(exact) * rng.uniform(1, 50, n)
+    a = exact.astype(dtype)
+    b = a.copy()
+    # Where the modes differ: none, a few, a block's worth, or about half.
+    for _ in range(draw(st.integers(0, 3))):
+        lo = draw(st.integers(0, max(n - 1, 0)))
+        hi = min(n, lo + draw(st.sampled_from([1, 3, 256, 700])))
+        noise = rng.standard_normal(hi - lo) * scale[lo:hi] * 10.0 ** draw(st.integers(-9, 0))
+        b[lo:hi] = (b[lo:hi].astype(np.float64) + noise).astype(dtype)
+    if draw(st.booleans()):  # ties: the same worst values again, later
+        b[n // 2:] = b[:n - n // 2]
+        a[n // 2:] = a[:n - n // 2]
+        exact[n // 2:] = exact[:n - n // 2]
+        absum[n // 2:] = absum[:n - n // 2]
+    for _ in range(draw(st.integers(0, 4))):  # special values anywhere
+        if n:
+            which = draw(st.sampled_from(["a", "b", "e", "s0"]))
+            i = draw(st.integers(0, n - 1))
+            value = draw(st.sampled_from(SPECIAL))
+            if which == "a":
+                a[i] = value
+            elif which == "b":
+                b[i] = value
+            elif which == "e":
+                exact[i] = value
+            else:
+                absum[i] = 0.0
+    return a, b, exact, absum
+
+
+BOUNDS = st.tuples(st.sampled_from([0.0, 1e-7, 3e-6, 0.25]), st.sampled_from([0.0, 1e-30, 1e-9]),
+                   st.sampled_from([0.0, 1e-7, 1e-3]), st.sampled_from([0.0, 1e-12]))

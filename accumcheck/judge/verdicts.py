@@ -35,7 +35,7 @@ from .dataparallel import RankChecks
 from .fullbatch import full_batch_verdict
 from .ratio import ratio_map, unravel
 from .secondpass import examine, severity, wanted
-from .statistics import tensor_figures
+from .statistics import Reducer, tensor_figures
 
 # A sum is called ill-conditioned when cancellation makes S exceed |E| a hundredfold: its relative
 # error may then be a hundred times the relative error of a sum without cancellation.
@@ -46,14 +46,15 @@ def compare_tensor(name: str, kind: str, native: np.ndarray, manual: np.ndarray,
                    absum: np.ndarray, native_bound: ModeBound, manual_bound: ModeBound,
                    oracle: np.ndarray | None = None, reference_bound: ModeBound | None = None,
                    ulps: bool = False, parallel: RankChecks | None = None, no_gradient: bool = False,
-                   overflow: bool = False) -> TensorResult:
+                   overflow: bool = False, reducer: Reducer | None = None) -> TensorResult:
     """Judge one parameter tensor: its figures (``statistics.tensor_figures``, the same
     arguments) and, for a data-parallel run, its ``parallel`` checks. ``no_gradient``: the
     parameter received no gradient at all; ``overflow``: the run was loss-scaled, so a non-finite
-    E (the micro-gradients themselves overflowed) is a step the scaler skips, not a fault.
+    E (the micro-gradients themselves overflowed) is a step the scaler skips, not a fault;
+    ``reducer``: the arrays' reduction where they live (``statistics.tensor_figures``).
     Returns the TensorResult."""
     figures = tensor_figures(name, kind, native, manual, exact, absum, native_bound, manual_bound, oracle,
-                             reference_bound, ulps)
+                             reference_bound, ulps, reducer)
     nonfinite = figures.pop("nonfinite")
     if no_gradient:
         verdict = "no-gradient"
@@ -129,7 +130,8 @@ class Judge:
                     UNIT_ROUNDOFF["float32"] else None
             t = compare_tensor(p.name, p.kind, p.native, p.manual, p.exact, p.absum, own, manual_bound, p.oracle,
                                reference_bound=own_reference, ulps=ulps, parallel=check,
-                               no_gradient=p.steps_with_grad == 0, overflow=run.grad_scale is not None)
+                               no_gradient=p.steps_with_grad == 0, overflow=run.grad_scale is not None,
+                               reducer=p.reducer)
             t.aliases = list(p.aliases) or None
             t.steps_with_grad = p.steps_with_grad
             tensors.append(t)

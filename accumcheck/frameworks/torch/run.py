@@ -13,6 +13,7 @@ from ...cases import Case
 from ...config import RunConfig
 from .accumulate import case_sums
 from .fullbatch import full_batch_gap
+from .judging import device_arrays, judged_on_device
 from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 
 
@@ -36,8 +37,7 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
         for name in model.canonical:
             manual, exact, absum = sums["buffers"][name]
             params.append(ParamAccumulation(
-                name=name, kind=kinds[name], native=to_numpy(sums["native"][name]), manual=to_numpy(manual),
-                exact=to_numpy(exact), absum=to_numpy(absum),
+                name=name, kind=kinds[name], **arrays(sums["native"][name], manual, exact, absum),
                 oracle=None if exact_oracle is None else to_numpy(exact_oracle["native"][name])))
     gap = None
     if config.full_batch:
@@ -47,6 +47,14 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
     if exact_oracle is not None:
         losses["oracle_mean_loss"] = exact_oracle["loss"]
     return _result(config, params, versions, dev, losses, settings, logits, gap)
+
+
+def arrays(native: Any, manual: Any, exact: Any, absum: Any) -> dict[str, Any]:
+    """ParamAccumulation's arrays: judged where they are on a GPU (only scalars come back), host
+    copies for the compiled host kernel on the CPU."""
+    if judged_on_device(native.device):
+        return device_arrays(native, manual, exact, absum)
+    return dict(native=to_numpy(native), manual=to_numpy(manual), exact=to_numpy(exact), absum=to_numpy(absum))
 
 
 def _result(config: RunConfig, params: list[ParamAccumulation], versions: dict[str, str], dev: Any,
@@ -83,10 +91,8 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
             fault = config.fault if config.fault is not None and config.fault.param in group else None
             sums = case_sums(case, model, config.accum_steps, dev, fault, progress,
                              f"native + manual, group {index + 1} of {len(groups)}", accum, config.mode, group)
-            params = [ParamAccumulation(name=name, kind=kinds[name], native=to_numpy(sums["native"][name]),
-                                        manual=to_numpy(sums["buffers"][name][0]),
-                                        exact=to_numpy(sums["buffers"][name][1]),
-                                        absum=to_numpy(sums["buffers"][name][2])) for name in names]
+            params = [ParamAccumulation(name=name, kind=kinds[name], **arrays(sums["native"][name], *sums["buffers"][name]))
+                      for name in names]
             result = _result(config, params, versions, dev, {"mean_loss": sums["loss"]}, settings,
                              _first_logits(case, model, dev, dtype) if index == 0 else None)
             del sums, params, group
