@@ -165,8 +165,8 @@ def figures(result: dict) -> dict[str, str]:
         "machine": (f"From one run of `{command(result)}` on this {info['cores']}-core {cpu_family(info['cpu'])} "
                     f"machine (torch {info['torch']}, numba {info['numba']}), {model_words(result)}:"),
         "table": table(result),
-        "identical": ("The two checks gave the same report: every tensor's verdict and figures, bit for bit"
-                      if m["identical"] else "The two checks' reports differ"),
+        "identical": ("the two checks gave the same report: every tensor's verdict and figures, bit for bit"
+                      if m["identical"] else "the two checks' reports differ"),
         "summary": (f"{millions(m['parameters'])} parameters: {mib(whole['above_own'])} beside the model without a "
                     f"budget, {mib(part['above_own'])} with a budget of {mib(part['budget'])} ({part['groups']} groups, "
                     f"{part['seconds'] / whole['seconds']:.1f}× the time, the same verdicts)"
@@ -191,7 +191,7 @@ def main() -> int:
               "seconds": time.perf_counter() - started}
     print(figures(result)["machine"])
     print(table(result))
-    print(figures(result)["identical"])
+    print(figures(result)["identical"].capitalize())
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
