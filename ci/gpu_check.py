@@ -7,6 +7,9 @@
                bit-identical is expected; then twice with them off: tensors whose kernels are
                nondeterministic (atomic adds) differ, and their run-to-run difference, in units of
                the round-off bound, is reported as the noise floor
+  judging      every built-in case and fault judged on the GPU against the same run judged by the
+               host kernel (equal but the sums' last bits), and the device reduction's throughput
+               on 20M and 200M elements
   data         accumcheck.compare(world_size=W) with nccl on W = min(2, GPUs) GPUs, clean and with
   parallel     a fault on the last rank (which must be named)
 
@@ -111,6 +114,76 @@ def check_data_parallel() -> dict:
             "fault_flagged": [t.name for t in faulty.flagged], "fault_ranks": named}
 
 
+SUMMED = {"condition", "rel_err_native", "rel_err_manual", "grad_sum_sq", "norm_share", "spread_predicted",
+          "spread_native", "spread_manual"}  # made of sums: torch adds in its own order
+
+
+def _differences(a, b, where=""):
+    if where in (".created", ".seconds"):
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{where}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    if where.rsplit(".", 1)[-1] in SUMMED and isinstance(a, float) and isinstance(b, float):
+        return [] if abs(a - b) <= 1e-12 * max(abs(a), abs(b)) else [f"{where}: {a!r} / {b!r}"]
+    return [] if a == b or (a != a and b != b) else [f"{where}: {a!r} / {b!r}"]
+
+
+def check_judging() -> dict:
+    """Judged on the GPU against judged on the host from the same run, every case and fault; and the
+    device reduction's throughput on 20M and 200M float32 elements, half of them differing."""
+    import dataclasses
+
+    from accumcheck.casefile import resolve_case
+    from accumcheck.frameworks.torch.backend import TorchBackend
+    from accumcheck.frameworks.torch.judging import reduce_tensors
+    from accumcheck.judge import build_report
+    from accumcheck.judge.kernel import reduce_on_host
+    from accumcheck.options import FAULT_KINDS
+    from accumcheck.validation import configure
+
+    cases, ok = {}, True
+    for name in builtin_case_names():
+        for fault in (None, *FAULT_KINDS):
+            config = configure({"case": name, "framework": "torch", "accum_steps": 16, "inject": fault,
+                                "device": WHERE})
+            run = TorchBackend().run(config)
+            on_device = all(p.reducer is not None for p in run.params)
+            there = build_report(resolve_case(name), run, 16, config.fault, False, 0.0).to_dict()
+            host = build_report(resolve_case(name), dataclasses.replace(run, params=[
+                dataclasses.replace(p, reducer=None) for p in run.params]), 16, config.fault, False, 0.0).to_dict()
+            found = _differences(there, host)
+            cases[f"{name}/{fault or 'clean'}"] = {"judged_on_device": on_device, "differences": found[:5]}
+            ok &= not found and (on_device or WHERE == "cpu")
+    throughput = {}
+    for n in (20_000_000, 200_000_000) if DEV.type == "cuda" else (2_000_000,):  # a dry run: small
+        g = torch.Generator(device=DEV).manual_seed(0)
+        scale = 10.0 ** (torch.rand(n, generator=g, device=DEV, dtype=torch.float64) * 4 - 6)
+        e = torch.randn(n, generator=g, device=DEV, dtype=torch.float64) * scale
+        s = e.abs() * 3
+        a = e.float()
+        b = a.clone()
+        b[::2] = (e[::2] * (1 + 1e-7)).float()
+        args = (1e-6, 0.0, 1e-6, 0.0, 1.3e-6, 1e-5)
+        reduce_tensors(a, b, e, s, *args)
+        if DEV.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        got = reduce_tensors(a, b, e, s, *args)  # ends with the scalars' copy to the host
+        seconds = time.perf_counter() - started
+        entry = {"melem_per_s": round(n / seconds / 1e6, 1), "mismatched": got.mismatched}
+        if n <= 20_000_000:
+            want = reduce_on_host(*(x.cpu().numpy() for x in (a, b, e, s)), *args)
+            entry["equal_to_host_kernel"] = all(
+                getattr(got, f) == getattr(want, f) or (f.startswith("sum") and abs(getattr(got, f) - getattr(
+                    want, f)) <= 1e-12 * abs(getattr(want, f))) for f in got._fields)
+            ok &= entry["equal_to_host_kernel"]
+        throughput[str(n)] = entry
+        del a, b, e, s, scale
+    return {"ok": ok, "cases": cases, "throughput": throughput}
+
+
 def summarize(folder: Path) -> str:
     """The one summary file of ci/gpu_check.sh: its steps, these figures, the benchmarks' tables."""
     lines = ["# accumcheck GPU check", ""]
@@ -131,12 +204,21 @@ def summarize(folder: Path) -> str:
             lines.append(f"- determinism {name}: deterministic mode bit-identical: {det['bit_identical']}"
                          + ("" if det["bit_identical"] else f" (differs: {det['noise_floor']})")
                          + f"; default kernels' run-to-run noise floor (x bound): {floor}")
+        judging = f.get("judging", {})
+        if "cases" in judging:
+            wrong = {k: e for k, e in judging["cases"].items() if e["differences"] or not e["judged_on_device"]}
+            lines.append(f"- judged on the GPU: {len(judging['cases']) - len(wrong)} of {len(judging['cases'])} "
+                         f"case/fault reports equal to the host kernel's" + (f"; differ: {wrong}" if wrong else ""))
+            for n, e in judging.get("throughput", {}).items():
+                lines.append(f"- device reduction, {int(n) / 1e6:g}M float32 elements (half differing): "
+                             f"{e['melem_per_s']} Melem/s" + (f", equal to the host kernel: {e['equal_to_host_kernel']}"
+                                                              if "equal_to_host_kernel" in e else ""))
         dp = f.get("data_parallel", {})
         if "world_size" in dp:
             lines.append(f"- data parallel: {dp['world_size']} rank(s), {dp['backend']}: clean exit {dp['clean_exit']} "
                          f"({dp['clean_seconds']} s, single-process agreement {dp['single_process_worst']:.3g}); "
                          f"fault on the last rank flagged {dp['fault_flagged']}, ranks named {dp['fault_ranks']}")
-        for name in ("verdicts", "determinism", "data_parallel"):
+        for name in ("verdicts", "determinism", "judging", "data_parallel"):
             if "error" in f.get(name, {}):
                 lines += ["", f"{name} crashed:", "```", f[name]["error"], "```"]
     for log in ("bench_core", "bench_diagnostics"):
@@ -169,7 +251,7 @@ def main() -> int:
                "gpus": torch.cuda.device_count(), "accumcheck": accumcheck.__version__}
     ok = True
     for name, check in (("verdicts", check_verdicts), ("determinism", check_determinism),
-                        ("data_parallel", check_data_parallel)):
+                        ("judging", check_judging), ("data_parallel", check_data_parallel)):
         started = time.perf_counter()
         try:
             figures[name] = check()

@@ -10,7 +10,9 @@
 #                      path under torch.cuda.set_sync_debug_mode("error"), nccl data parallel
 #   checks             ci/gpu_check.py: verdicts and fault controls on every built-in case (TF32
 #                      off, deterministic algorithms), run-to-run determinism and the noise floor
-#                      of nondeterministic kernels, data parallel with a fault on one rank
+#                      of nondeterministic kernels, judging on the GPU against the host kernel
+#                      (every case and fault) and its throughput, data parallel with a fault on
+#                      one rank
 #   bench_core         benchmarks/bench_core.py --device cuda: overhead ratio and absolute times
 #   bench_diagnostics  benchmarks/bench_diagnostics.py --device cuda
 # and writes the one summary, OUT_DIR/gpu_summary.md. Exit status: 0 when every step passed,

@@ -239,7 +239,6 @@ def _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, 
             peaks[8] = q
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks):
     n = a.size
     step = (n + chunks - 1) // chunks
@@ -282,6 +281,11 @@ def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_
     return all_counts, all_peaks, all_where, all_sums
 
 
+# Compiled twice: across threads, and in this thread for a tensor of one chunk (where waking the
+# thread pool costs more than the work).
+_reduce_serial = numba.njit(cache=True, nogil=True, error_model="numpy")(_reduce)
+_reduce = numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_reduce)
+
 _BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
 
 
@@ -292,18 +296,25 @@ def reduce_on_host(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, r
     bits = _BITS[a.dtype]
     chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
     precision = 2.0 ** (np.finfo(a.dtype).nmant + 1)
-    counts, peaks, where, sums = _reduce(a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), precision,
-                                         e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks)
+    counts, peaks, where, sums = (_reduce if chunks > 1 else _reduce_serial)(
+        a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), precision, e, s, rel_a, abs_a, rel_b, abs_b,
+        rtol, atol, chunks)
     return combine(counts, peaks, where, sums)
 
 
 def combine(counts: np.ndarray, peaks: np.ndarray, where: np.ndarray, sums: np.ndarray) -> Reduction:
     """One Reduction from per-chunk rows (chunks in order): counts and sums add up, each maximum is
     the largest of the chunks' and its index the first chunk's that holds it."""
-    total, top, added = counts.sum(axis=0), peaks.max(axis=0), sums.sum(axis=0)
+    if len(counts) == 1:  # one chunk: its row
+        total, top, added, first = counts[0].tolist(), peaks[0].tolist(), sums[0].tolist(), where[0].tolist()
 
-    def at(column: int, which: int) -> int:
-        return int(where[int(np.argmax(peaks[:, column])), which]) if top[column] > 0 else -1
+        def at(column: int, which: int) -> int:
+            return int(first[which]) if top[column] > 0 else -1
+    else:
+        total, top, added = counts.sum(axis=0), peaks.max(axis=0), sums.sum(axis=0)
+
+        def at(column: int, which: int) -> int:
+            return int(where[int(np.argmax(peaks[:, column])), which]) if top[column] > 0 else -1
 
     return Reduction(
         nonfinite_a=int(total[0]), nonfinite_b=int(total[1]), nonfinite_e=int(total[2]), mismatched=int(total[3]),
@@ -313,3 +324,36 @@ def combine(counts: np.ndarray, peaks: np.ndarray, where: np.ndarray, sums: np.n
         max_ulps=float(top[7]), diff_ratio=float(top[8]), sum_s=float(added[0]), sum_abs_e=float(added[1]),
         sum_sq_e=float(added[2]), sum_sq_err_a=float(added[3]), sum_sq_err_b=float(added[4]),
         sum_sq_s=float(added[5]))
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _map_ratio(d, b):
+    """|x - E| / bound as ``ratio.ratios_to`` has it: 0 for 0 / 0, infinite for a NaN distance."""
+    if d != d:
+        return np.inf
+    q = d / b
+    return 0.0 if q != q else q
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _cell_maxima(a, b, e, s, cols, step_r, step_c, rel_a, abs_a, rel_b, abs_b, cells):
+    rows = a.size // cols
+    for r in range(rows):
+        row = cells[r // step_r]
+        for c in range(cols):
+            i = r * cols + c
+            ex = e[i]
+            sx = s[i]
+            q = max(_map_ratio(abs(np.float64(a[i]) - ex), rel_a * sx + abs_a),
+                    _map_ratio(abs(np.float64(b[i]) - ex), rel_b * sx + abs_b))
+            if q > row[c // step_c]:
+                row[c // step_c] = q
+
+
+def cell_maxima(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, cols: int, step_r: int, step_c: int,
+                rel_a: float, abs_a: float, rel_b: float, abs_b: float, shape: tuple[int, int]) -> np.ndarray:
+    """The largest of both modes' ratios in each cell of ``shape``: the flat arrays read as rows
+    of ``cols`` elements, a cell ``step_r`` rows by ``step_c`` columns."""
+    cells = np.zeros(shape)
+    _cell_maxima(a, b, e, s, cols, step_r, step_c, rel_a, abs_a, rel_b, abs_b, cells)
+    return cells

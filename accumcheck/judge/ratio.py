@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..bounds import ModeBound
+from .kernel import cell_maxima
 
 MAP_CELLS = 32  # a ratio map has at most this many cells a side
-MAP_BLOCK = 1 << 18  # elements whose ratios a map computes at once
 
 
 def ratios_to(excess: np.ndarray, bound: np.ndarray) -> np.ndarray:
@@ -54,27 +54,19 @@ def ratio_map(native: np.ndarray, manual: np.ndarray, exact: np.ndarray, absum: 
               native_bound: ModeBound, manual_bound: ModeBound) -> tuple[list[list[float]], list[int]]:
     """Where in a tensor the modes sit furthest from E, relative to the bound: the tensor as rows
     (its first axis) by columns (the rest), each cell the largest ratio of the elements it covers,
-    at most MAP_CELLS a side. Returns (cells, [rows per cell, columns per cell]). The ratios are
-    computed a block of cells at a time (about MAP_BLOCK elements), whatever the tensor's size."""
+    at most MAP_CELLS a side. Returns (cells, [rows per cell, columns per cell]). One compiled pass
+    (``kernel.cell_maxima``), no temporary of the tensor's size."""
     rms = absum_rms(absum)
     shape = np.shape(exact)
     rows = shape[0] if len(shape) >= 2 else 1
     cols = int(np.prod(shape[1:] if len(shape) >= 2 else shape, dtype=np.int64))
     step_r, step_c = -(-rows // MAP_CELLS), -(-cols // MAP_CELLS)
-    cells = np.zeros((-(-rows // step_r), -(-cols // step_c)))
-    grids = [np.reshape(x, (rows, cols)) for x in (native, manual, exact, absum)]
-    # a block: whole cells, as many rows of them as fit, else as many columns
-    cell_rows = max(1, MAP_BLOCK // (step_r * cols))
-    cell_cols = cells.shape[1] if cell_rows > 1 else max(1, MAP_BLOCK // (step_r * step_c))
-    for i in range(0, cells.shape[0], cell_rows):
-        for j in range(0, cells.shape[1], cell_cols):
-            r0, c0 = i * step_r, j * step_c
-            a, b, e, s = (g[r0:r0 + cell_rows * step_r, c0:c0 + cell_cols * step_c] for g in grids)
-            worst = np.maximum(bound_ratios(a, e, s, native_bound, rms), bound_ratios(b, e, s, manual_bound, rms))
-            n_r, n_c = -(-e.shape[0] // step_r), -(-e.shape[1] // step_c)
-            pad = np.zeros((n_r * step_r, n_c * step_c))
-            pad[:e.shape[0], :e.shape[1]] = worst.reshape(e.shape)
-            cells[i:i + n_r, j:j + n_c] = pad.reshape(n_r, step_r, n_c, step_c).max(axis=(1, 3))
+    flat = [np.ascontiguousarray(x).reshape(-1) for x in (native, manual)]
+    if flat[0].dtype != flat[1].dtype or flat[0].dtype not in (np.float32, np.float64):
+        flat = [x.astype(np.float64) for x in flat]
+    e, s = (np.ascontiguousarray(x, np.float64).reshape(-1) for x in (exact, absum))
+    cells = cell_maxima(*flat, e, s, max(cols, 1), step_r, step_c, native_bound.relative, native_bound.floor(rms),
+                        manual_bound.relative, manual_bound.floor(rms), (-(-rows // step_r), -(-cols // step_c)))
     return cells.tolist(), [step_r, step_c]
 
 

@@ -187,13 +187,12 @@ def quartered(native, manual, exact, absum, **kw):
 
 def test_the_pass_runs_over_chunks_of_a_mebi_element(monkeypatch):
     chunks = []
-    reduce = kernel._reduce
+    for name in ("_reduce", "_reduce_serial"):  # across threads, and in this one for a single chunk
+        def recording(*args, reduce=getattr(kernel, name)):
+            chunks.append(args[-1])
+            return reduce(*args)
 
-    def recording(*args):
-        chunks.append(args[-1])
-        return reduce(*args)
-
-    monkeypatch.setattr(kernel, "_reduce", recording)
+        monkeypatch.setattr(kernel, name, recording)
     for n in (0, 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5):
         x = np.ones(n, F32)
         assert judge(x, x, x, x).verdict == "identical"

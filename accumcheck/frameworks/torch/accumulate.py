@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -27,8 +28,9 @@ class StepRecorder:
     """Feeds manual, E and S from the micro-gradients the native path receives.
 
     During backward the hooks only keep a reference to each parameter's micro-gradient; after
-    backward the whole step goes into flat buffers with one concatenation and one fused pass
-    (three adds on CUDA), instead of three small operations per parameter inside the backward."""
+    backward the step goes into flat buffers: on the CPU in float32, one fused compiled pass per
+    parameter; otherwise one concatenation and one fused pass (three adds on CUDA), instead of
+    three small operations per parameter inside the backward."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
                  reduce_step: Callable[[Any], Any] | None = None) -> None:
@@ -46,6 +48,26 @@ class StepRecorder:
         self.step = torch.empty(total, dtype=step_dtype, device=first.device)
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
+        # float32 on the CPU: each micro-gradient is added where it lies, one compiled pass per
+        # parameter into host views of the buffers, without gathering the step first.
+        self.views = None
+        self.pending: Future | None = None
+        if (first.device.type == "cpu" and reduce_step is None and step_dtype == torch.float32
+                and self.manual.dtype in (torch.float32, torch.float64)):
+            self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
+                          for name, span in self._spans()}
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="accumcheck-sums")
+
+    def wait(self) -> None:
+        """Until the last step's adds are done (before a backward, and before the buffers are read)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self.views is not None:
+            self.worker.shutdown()
 
     def flush(self) -> None:
         """Add the step just finished into manual, E and S."""
@@ -55,6 +77,13 @@ class StepRecorder:
                 if name not in grads:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
+        if self.views is not None:
+            # The adds run beside the next micro-step's forward (the compiled pass releases the
+            # GIL); ``wait`` is called before its backward, which may add into these very tensors.
+            step = [(grads[name].detach().contiguous().view(-1).numpy(), *views) for name, views in self.views.items()]
+            grads.clear()
+            self.pending = self.worker.submit(_add_steps, step)
+            return
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
         if self.reduce_step is not None:
@@ -68,6 +97,12 @@ class StepRecorder:
             self.exact.add_(self.step)
             self.absum.add_(self.step.abs_())
 
+    def _spans(self) -> Iterator[tuple[str, slice]]:
+        offset = 0
+        for name, p in self.params.items():
+            yield name, slice(offset, offset + p.numel())
+            offset += p.numel()
+
     def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
         """Per-parameter (manual, exact, absum) views of the flat buffers."""
         out, offset = {}, 0
@@ -76,6 +111,11 @@ class StepRecorder:
             out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
             offset += p.numel()
         return out
+
+
+def _add_steps(step: list[tuple[Any, Any, Any, Any]]) -> None:
+    for grad, manual, exact, absum in step:
+        add_step(grad, manual, exact, absum)
 
 
 def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:
@@ -160,6 +200,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
             state["step"] = step
             with step_context(step) if step_context is not None else contextlib.nullcontext():
                 loss = step_loss(step)
+                recorder.wait()
                 loss.backward()
             recorder.flush()
             if accumulator is not None:
@@ -170,6 +211,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
     finally:
+        recorder.close()
         for handle in handles:
             handle.remove()
     if accumulator is not None:
