@@ -80,22 +80,28 @@ def _count_differ(a, b, lo, hi):
     return differ
 
 
+@numba.njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True, error_model="numpy")
+def _plus_square(total, v):
+    # Its own function for its own flags: the multiply-add may fuse here, never in a bound.
+    return total + v * v
+
+
 # The two loops every block goes through, one of them. Their sums are the only reassociated
 # arithmetic of the kernel (vectorised into SIMD lanes); every comparison is the exact one. A
-# non-finite value makes ``bad`` non-zero, and the block is judged again by the scalar loop.
+# non-finite A, B or E makes a sum of squares of errors non-finite, and the block is judged again
+# by the scalar loop (so is a finite square that overflows).
 
 @numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
 def _block_equal(a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks):
     """A == B over [lo, hi): (bad, over_a, over_b, moves, the six sums)."""
     max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
-    bad = over_a = over_b = moves = 0
+    over_a = over_b = moves = 0
     t0 = t1 = t2 = t3 = t5 = 0.0
     for i in range(lo, hi):
         x = np.float64(a[i])
         ex = e[i]
         sx = s[i]
         da = abs(x - ex)
-        bad += not (da < np.inf)  # NaN or infinity in A or E (or an overflow: rescanned)
         bound_a = rel_a * sx + abs_a
         bound_b = rel_b * sx + abs_b
         over_a += da > bound_a
@@ -103,21 +109,21 @@ def _block_equal(a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks):
         moves += (abs(ex) > max_e) | (da > least_err) | _may_beat(da, r_a, bound_a) | _may_beat(da, r_b, bound_b)
         t0 += sx
         t1 += abs(ex)
-        t2 += ex * ex
-        t3 += da * da
-        t5 += sx * sx
-    return bad, over_a, over_b, moves, t0, t1, t2, t3, t3, t5
+        t2 = _plus_square(t2, ex)
+        t3 = _plus_square(t3, da)
+        t5 = _plus_square(t5, sx)
+    return not (t3 < np.inf), over_a, over_b, moves, t0, t1, t2, t3, t3, t5
 
 
 @numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
 def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks):
-    """A and B differ somewhere in [lo, hi): (bad, over_a, over_b, moves, the six sums, classic).
+    """A and B may differ in [lo, hi): (bad, over_a, over_b, moves, the six sums, classic, differ).
     More than M ulps between x and y of one sign needs |x - y| > M ulp(min(|x|, |y|)) > M min(|x|,
     |y|) / ``precision`` (2^p for a p-bit significand): the ulps' filter, without bit patterns (a
-    change of sign is always rescanned)."""
+    change of sign, a zero, or a product that underflows is always rescanned)."""
     max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
     max_diff, max_rel, diff_ratio, max_ulps = peaks[5], peaks[6] * SLACK, peaks[8] * SLACK, peaks[7] * SLACK
-    bad = over_a = over_b = moves = classic = 0
+    over_a = over_b = moves = classic = differ = 0
     t0 = t1 = t2 = t3 = t4 = t5 = 0.0
     for i in range(lo, hi):
         x = np.float64(a[i])
@@ -126,7 +132,7 @@ def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, pr
         sx = s[i]
         da = abs(x - ex)
         db = abs(y - ex)
-        bad += not (da + db < np.inf)  # NaN or infinity in A, B or E (or an overflow: rescanned)
+        differ += x != y
         bound_a = rel_a * sx + abs_a
         bound_b = rel_b * sx + abs_b
         over_a += da > bound_a
@@ -137,14 +143,14 @@ def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, pr
         moves += ((abs(ex) > max_e) | (max(da, db) > least_err) | _may_beat(da, r_a, bound_a)
                   | _may_beat(db, r_b, bound_b) | (d > max_diff) | _may_beat(d, max_rel, ay)
                   | _may_beat(d, diff_ratio, bound_a + bound_b) | (d * precision > max_ulps * min(abs(x), ay))
-                  | ((x < 0.0) != (y < 0.0)))
+                  | (x * y <= 0.0))
         t0 += sx
         t1 += abs(ex)
-        t2 += ex * ex
-        t3 += da * da
-        t4 += db * db
-        t5 += sx * sx
-    return bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic
+        t2 = _plus_square(t2, ex)
+        t3 = _plus_square(t3, da)
+        t4 = _plus_square(t4, db)
+        t5 = _plus_square(t5, sx)
+    return not (t3 + t4 < np.inf), over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic, differ
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -251,16 +257,19 @@ def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_
         peaks = all_peaks[c]
         where = all_where[c]
         sums = all_sums[c]
+        differed = False
         for lo in range(c * step, min(n, (c + 1) * step), _BLOCK):
             hi = min(n, c * step + step, lo + _BLOCK)
-            differ = _count_differ(a, b, lo, hi)
+            # After a block where A and B differed, expect the next to differ too: skip the count.
+            differ = 1 if differed else _count_differ(a, b, lo, hi)
             if differ:
-                bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic = _block_differ(
+                bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic, differ = _block_differ(
                     a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks)
             else:
                 bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5 = _block_equal(
                     a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks)
                 classic = 0
+            differed = differ > 0
             if bad:
                 _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol,
                         counts, peaks, where, sums, True)
