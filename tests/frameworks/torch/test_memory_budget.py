@@ -180,7 +180,7 @@ CHILD = textwrap.dedent("""
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(256, 512)]
-    for _ in range(24):
+    for _ in range(48):
         layers += [torch.nn.ReLU(), torch.nn.Linear(512, 512)]
     model = torch.nn.Sequential(*layers)
     data = [(torch.randn(4, 256), torch.randn(4, 512)) for _ in range(3)]
@@ -205,7 +205,7 @@ def child(what, budget=None):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
 def test_a_child_judged_in_groups_stays_within_its_budget_beside_the_model():
-    """6.4M parameters: a fresh child's peak RSS above a plain loop's stays within half of what the
+    """12.7M parameters: a fresh child's peak RSS above a plain loop's stays within half of what the
     check without a budget adds."""
     own = child("plain")["peak"]
     whole = child("check")
