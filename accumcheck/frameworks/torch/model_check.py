@@ -34,6 +34,7 @@ from ...report import Report
 from ...resources import check_resources, estimate_model
 from ...usermodel import Batch, batch_source
 from .accumulate import accumulate
+from .judging import device_arrays, judged_on_device
 from .model import deterministic, isolated, to_numpy
 from .model_fullbatch import full_batch_gap
 from .needs import model_needs
@@ -124,8 +125,13 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
         result = accumulate(part, step_loss(model, uniform, cast, scale), steps,
                             fault if fault is not None and fault.param in part else None, progress, phase,
                             accum_dtype, mode)
-        buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in part}
-        native = {name: to_numpy(g) for name, g in result["native"].items()}
+        if scale is None and judged_on_device(next(iter(part.values())).device):
+            # Judged on the GPU: the tensors themselves, each with its reduction there.
+            native = {name: device_arrays(g, *result["buffers"][name]) for name, g in result["native"].items()}
+            buffers = {name: () for name in part}
+        else:
+            buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in part}
+            native = {name: to_numpy(g) for name, g in result["native"].items()}
         saved.restore_buffers()
         return native, buffers, result
 
@@ -136,7 +142,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
             buffers = {name: tuple(b / np.asarray(scale, b.dtype) for b in bufs) for name, bufs in buffers.items()}
         own = mode == "native" and len(set(dtypes.values())) > 1
         return RunResult(
-            params=[ParamAccumulation(names[0], kinds[names[0]], native[names[0]], *buffers[names[0]],
+            params=[ParamAccumulation(names[0], kinds[names[0]], **_arrays(native[names[0]], buffers[names[0]]),
                                       oracle=None if oracle_grads is None or not oracle else oracle_grads[names[0]],
                                       dtype=dtypes[names[0]] if own else None, aliases=tuple(names[1:]),
                                       steps_with_grad=result["steps_with_grad"].get(names[0]))
@@ -325,6 +331,14 @@ def _notes(train_mode: bool, cast: Any, scale: float | None, dtypes: dict[str, s
         notes.append("mixed parameter dtypes (" + ", ".join(f"{c} {d}" for d, c in counts.items())
                      + "), each judged by its own")
     return notes
+
+
+def _arrays(native: Any, buffers: tuple[Any, ...]) -> dict[str, Any]:
+    """ParamAccumulation's array fields: host arrays, or a device tensor's (``judging.device_arrays``)."""
+    if isinstance(native, dict):
+        return native
+    manual, exact, absum = buffers
+    return dict(native=native, manual=manual, exact=exact, absum=absum)
 
 
 class _ModelState:

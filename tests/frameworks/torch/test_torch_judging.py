@@ -87,3 +87,29 @@ def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, f
     assert _differences(on_device, on_host) == []
     assert fault is None or fault == "roundoff" or any(t["verdict"] == "diverged" for t in on_device["tensors"])
 
+
+
+@pytest.mark.parametrize("inject", [None, "scale", "drop-step"])
+def test_your_own_model_judged_on_the_device_gives_the_host_report(inject, monkeypatch):
+    import accumcheck.torch
+    from accumcheck.frameworks.torch import model_check
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 50))
+
+    def batches():
+        g = torch.Generator().manual_seed(1)
+        return [(torch.randint(0, 50, (4, 6), generator=g), torch.randint(0, 50, (4, 6), generator=g))
+                for _ in range(8)]
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 50), target.reshape(-1))
+
+    on_host = accumcheck.torch.check(model(), loss_fn, batches(), accum_steps=8, inject=inject).to_dict()
+    made = []
+    monkeypatch.setattr(model_check, "judged_on_device", lambda device: made.append(device) or True)
+    on_device = accumcheck.torch.check(model(), loss_fn, batches(), accum_steps=8, inject=inject).to_dict()
+    assert made and _differences(on_device, on_host) == []
+    assert (inject is None) == all(t["verdict"] != "diverged" for t in on_device["tensors"])
