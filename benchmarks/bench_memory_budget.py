@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine_info import cpu_family  # benchmarks/ is the script's folder
+
 RESULT = Path(__file__).resolve().parent / "results" / "bench_memory_budget.json"
 MIB = 2**20
 SHARE = 4  # the budget: a quarter of what the unbounded check adds
@@ -109,16 +111,6 @@ def measure(shape: dict) -> dict:
                          "groups": grouped["groups"], "verdicts": grouped["verdicts"],
                          "within_budget": above <= budget},
             "identical": whole["tensors"] == grouped["tensors"] and whole["exit_code"] == grouped["exit_code"]}
-
-
-def cpu_family(model: str) -> str:
-    """The processor as the docs name it ("Intel(R) Xeon(R) Processor" gives "Intel Xeon")."""
-    words = []
-    for word in model.replace("(R)", "").replace("(TM)", "").split():
-        if any(ch.isdigit() for ch in word) or word in ("CPU", "Processor", "@"):
-            break
-        words.append(word)
-    return " ".join(words) or model
 
 
 def millions(n: int) -> str:

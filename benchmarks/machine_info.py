@@ -9,3 +9,14 @@ def cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
     except OSError:
         return "unknown"
+
+
+def cpu_family(model: str) -> str:
+    """The processor as the docs name it: "AMD EPYC 7B13 64-Core Processor" gives "AMD EPYC",
+    "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz" gives "Intel Xeon Platinum"."""
+    words = []
+    for word in model.replace("(R)", "").replace("(TM)", "").split():
+        if any(ch.isdigit() for ch in word) or word in ("CPU", "Processor", "@"):
+            break
+        words.append(word)
+    return " ".join(words) or model

@@ -463,6 +463,8 @@ def _result(name: str) -> dict:
 def benchmark_figures() -> dict[str, str]:
     """The tables of the last measured runs (benchmarks/*.py --json benchmarks/results/NAME.json)."""
     from_files = {}
+    if str(ROOT / "benchmarks") not in sys.path:  # the benchmarks import their neighbour machine_info
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     for path in sorted(RESULTS.glob("*.json")):
         module = importlib.util.spec_from_file_location(path.stem, ROOT / "benchmarks" / f"{path.stem}.py")
         bench = importlib.util.module_from_spec(module)
