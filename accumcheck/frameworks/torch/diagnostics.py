@@ -183,7 +183,7 @@ class GradMonitor:
                 full[torch.tensor(live, device=norms.device)] = norms
                 norms = full
             logged = self.writer is not None and (step % self.log_every == 0 or step <= self.window_end)
-            stats = self._layer_stats(norms, total, norm_type) if logged else None  # before clipping
+            stats = self._layer_stats(norms, total, norm_type, groups) if logged else None  # before clipping
             coef = _clip(groups, max_norm, total, foreach)
         self.last_norms, self.last_total, self.last_coef = norms, total, coef
         head = torch.stack([total, coef])
@@ -212,25 +212,27 @@ class GradMonitor:
 
     # -------------------------------------------------------------- statistics
 
-    def _layer_stats(self, norms: Any, total: Any, norm_type: float) -> Any:
+    def _layer_stats(self, norms: Any, total: Any, norm_type: float, groups: list) -> Any:
         """[norm, min, max, absmax, share] per watched layer, on the device, in one tensor.
 
         A layer's norm is the norm of its parameters' norms (already computed for clipping),
         gathered as a padded matrix, a row per layer. Each watched gradient's min and max go
         straight into a buffer (one aminmax each, the only pass over the gradients), gathered the
-        same way. No Python loop over layers, and no host read."""
+        same way. No Python loop over layers, and no host read. ``groups``: the gradients as
+        grad_norms grouped them."""
         device, dtype = norms.device, norms.dtype
+        uniform = len(groups) == 1 and groups[0][0] == device and groups[0][1][0].dtype == dtype
         if self._plan is None or self._plan.key != (device, dtype, norm_type):
-            self._plan = _StatsPlan(self.layers, len(self.params), device, dtype, norm_type)
+            self._plan = _StatsPlan(self.layers, self.params, device, dtype, norm_type)
         plan = self._plan
         if not plan.watched:
             return torch.zeros((0, len(self.TAGS)), dtype=dtype, device=device)
-        for i, low, high in zip(plan.watched, plan.lows, plan.highs):
-            grad = self.params[i].grad
-            if grad is None or grad.numel() == 0:  # a missing gradient counts as zero
+        for param, sized, low, high in zip(plan.params, plan.sized, plan.lows, plan.highs):
+            grad = param.grad
+            if grad is None or not sized:  # a missing gradient counts as zero (aminmax refuses an empty one)
                 low.zero_()
                 high.zero_()
-            elif grad.dtype == dtype and grad.device == device:
+            elif uniform or (grad.dtype == dtype and grad.device == device):
                 torch.aminmax(grad, out=(low, high))
             else:
                 found = torch.aminmax(grad)
@@ -269,9 +271,11 @@ class _StatsPlan:
     per-parameter norms (padded with 0, or inf for a negative norm order) and into the buffer of
     the watched gradients' minima and maxima (padded with +inf and -inf)."""
 
-    def __init__(self, layers: dict[str, list[int]], count: int, device: Any, dtype: Any, norm_type: float) -> None:
-        self.key = (device, dtype, norm_type)
+    def __init__(self, layers: dict[str, list[int]], params: list, device: Any, dtype: Any, norm_type: float) -> None:
+        self.key, count = (device, dtype, norm_type), len(params)
         self.watched = sorted({i for indices in layers.values() for i in indices})
+        self.params = [params[i] for i in self.watched]
+        self.sized = [p.numel() > 0 for p in self.params]
         position = {i: k for k, i in enumerate(self.watched)}
         width = max((len(indices) for indices in layers.values()), default=0)
         pad = [width - len(indices) for indices in layers.values()]
