@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
@@ -49,25 +48,13 @@ class StepRecorder:
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
         # float32 on the CPU: each micro-gradient is added where it lies, one compiled pass per
-        # parameter into host views of the buffers, without gathering the step first.
+        # parameter into host views of the buffers, without gathering the step first. (Adding on a
+        # second thread beside the next forward was measured slower: torch's threads want both cores.)
         self.views = None
-        self.pending: Future | None = None
         if (first.device.type == "cpu" and reduce_step is None and step_dtype == torch.float32
                 and self.manual.dtype in (torch.float32, torch.float64)):
             self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
                           for name, span in self._spans()}
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="accumcheck-sums")
-
-    def wait(self) -> None:
-        """Until the last step's adds are done (before a backward, and before the buffers are read)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
-
-    def close(self) -> None:
-        self.wait()
-        if self.views is not None:
-            self.worker.shutdown()
 
     def flush(self) -> None:
         """Add the step just finished into manual, E and S."""
@@ -78,11 +65,9 @@ class StepRecorder:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
         if self.views is not None:
-            # The adds run beside the next micro-step's forward (the compiled pass releases the
-            # GIL); ``wait`` is called before its backward, which may add into these very tensors.
-            step = [(grads[name].detach().contiguous().view(-1).numpy(), *views) for name, views in self.views.items()]
+            for name, (manual, exact, absum) in self.views.items():
+                add_step(grads[name].detach().contiguous().view(-1).numpy(), manual, exact, absum)
             grads.clear()
-            self.pending = self.worker.submit(_add_steps, step)
             return
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
@@ -111,11 +96,6 @@ class StepRecorder:
             out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
             offset += p.numel()
         return out
-
-
-def _add_steps(step: list[tuple[Any, Any, Any, Any]]) -> None:
-    for grad, manual, exact, absum in step:
-        add_step(grad, manual, exact, absum)
 
 
 def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:
@@ -200,7 +180,6 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
             state["step"] = step
             with step_context(step) if step_context is not None else contextlib.nullcontext():
                 loss = step_loss(step)
-                recorder.wait()
                 loss.backward()
             recorder.flush()
             if accumulator is not None:
@@ -211,7 +190,6 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
     finally:
-        recorder.close()
         for handle in handles:
             handle.remove()
     if accumulator is not None:
