@@ -21,6 +21,7 @@ a TensorBoard SummaryWriter as one event.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Sequence
 
@@ -131,12 +132,15 @@ class GradMonitor:
     0,1,n//2,-2,-1). ``writer``: anything with ``add_scalar(tag, value, step)`` (a TensorBoard
     SummaryWriter, which gets each step's scalars as one event). Statistics of the gradients
     before clipping are logged every ``log_every`` steps, or every step while a window opened by
-    ``enable`` lasts. A step whose clipping scale falls below ``clip_threshold``, or whose
-    gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged as a
-    warning and kept in ``reports``.
+    ``enable`` lasts. They reach the writer in batches: once the oldest waiting step is
+    ``WRITE_EVERY`` steps old, at once after a dominance report, and at ``flush()`` (call it
+    before closing the writer). A step whose clipping scale falls below ``clip_threshold``, or
+    whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
+    as a warning and kept in ``reports``.
     """
 
     TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
+    WRITE_EVERY = 10  # steps: the host's share of the statistics is done for a batch of steps at a time
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG) -> None:
@@ -154,7 +158,8 @@ class GradMonitor:
         self.window_end = -1
         self.reports: list[DominanceReport] = []
         self._pending: list[_HostCopy] = []
-        self._plan: _StatsPlan | None = None  # what _layer_stats gathers
+        self._plan: _StatsPlan | None = None  # what the per-layer statistics gather
+        self._unwritten: list[tuple[int, _StatsPlan, np.ndarray]] = []  # (step, plan, the step's copy)
         self.last_norms: Any = None  # per-parameter norms of the last step, on the device
         self.last_total: Any = None
         self.last_coef: Any = None
@@ -183,14 +188,14 @@ class GradMonitor:
                 full[torch.tensor(live, device=norms.device)] = norms
                 norms = full
             logged = self.writer is not None and (step % self.log_every == 0 or step <= self.window_end)
-            stats = self._layer_stats(norms, total, norm_type, groups) if logged else None  # before clipping
+            plan = self._extremes(norms, norm_type, groups) if logged else None  # before clipping
             coef = _clip(groups, max_norm, total, foreach)
-        self.last_norms, self.last_total, self.last_coef = norms, total, coef
-        head = torch.stack([total, coef])
-        payload = head if stats is None else torch.cat([head, stats.reshape(-1)])
-        if payload.dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
-            payload = payload.float()
-        self._pending.append(_HostCopy(payload, (step, norms, logged)))
+            self.last_norms, self.last_total, self.last_coef = norms, total, coef
+            head = torch.stack([total, coef])
+            payload = head if plan is None else torch.cat([head, norms, plan.extremes.view(-1)])
+            if payload.dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
+                payload = payload.float()
+        self._pending.append(_HostCopy(payload, (step, norms, plan)))
         self._drain()  # on the CPU the copies have arrived already: report this step's own gradients
         return total
 
@@ -202,56 +207,50 @@ class GradMonitor:
         self.window_end = -1
 
     def flush(self) -> list[DominanceReport]:
-        """Wait for every pending copy and process it (end of training, tests)."""
+        """Wait for every pending copy, process it and write every step's statistics (end of
+        training, before closing the writer; tests)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._drain()
+        self._write()
         if self.writer is not None and hasattr(self.writer, "flush"):
             self.writer.flush()
         return self.reports
 
     # -------------------------------------------------------------- statistics
 
-    def _layer_stats(self, norms: Any, total: Any, norm_type: float, groups: list) -> Any:
-        """[norm, min, max, absmax, share] per watched layer, on the device, in one tensor.
-
-        A layer's norm is the norm of its parameters' norms (already computed for clipping),
-        gathered as a padded matrix, a row per layer. Each watched gradient's min and max go
-        straight into a buffer (one aminmax each, the only pass over the gradients), gathered the
-        same way. No Python loop over layers, and no host read. ``groups``: the gradients as
-        grad_norms grouped them."""
+    def _extremes(self, norms: Any, norm_type: float, groups: list) -> _StatsPlan:
+        """Each watched gradient's min and max, straight into the plan's buffer on the device
+        (one aminmax each: the only pass over the gradients the statistics make), and the plan
+        that turns them and the per-parameter norms into the layers' statistics on the host.
+        ``groups``: the gradients as grad_norms grouped them."""
         device, dtype = norms.device, norms.dtype
-        uniform = len(groups) == 1 and groups[0][0] == device and groups[0][1][0].dtype == dtype
         if self._plan is None or self._plan.key != (device, dtype, norm_type):
             self._plan = _StatsPlan(self.layers, self.params, device, dtype, norm_type)
         plan = self._plan
-        if not plan.watched:
-            return torch.zeros((0, len(self.TAGS)), dtype=dtype, device=device)
-        for param, sized, low, high in zip(plan.params, plan.sized, plan.lows, plan.highs):
+        uniform = len(groups) == 1 and groups[0][0] == device and groups[0][1][0].dtype == dtype
+        for param, sized, out in zip(plan.params, plan.sized, plan.outs):
             grad = param.grad
             if grad is None or not sized:  # a missing gradient counts as zero (aminmax refuses an empty one)
-                low.zero_()
-                high.zero_()
+                out[0].zero_()
+                out[1].zero_()
             elif uniform or (grad.dtype == dtype and grad.device == device):
-                torch.aminmax(grad, out=(low, high))
+                torch.aminmax(grad, out=out)
             else:
                 found = torch.aminmax(grad)
-                low.copy_(found[0])
-                high.copy_(found[1])
-        layer_norm = torch.linalg.vector_norm(torch.cat([norms, plan.norm_pad])[plan.norm_index], norm_type, dim=1)
-        lowest, highest = torch.aminmax(plan.extremes[:, plan.minmax_index], dim=2)  # rows: minima, maxima
-        low, high = lowest[0], highest[1]
-        return torch.stack([layer_norm, low, high, torch.maximum(high, -low), (layer_norm / total).square()], dim=1)
+                out[0].copy_(found[0])
+                out[1].copy_(found[1])
+        return plan
 
     def _drain(self) -> None:
         """Process the copies that have arrived; keep the others for later."""
-        waiting = []
+        waiting, reported = [], False
         for copy in self._pending:
             if not copy.ready():
                 waiting.append(copy)
                 continue
             values = copy.values()
-            step, norms, logged = copy.payload
+            step, norms, plan = copy.payload
             total, coef = values[0], values[1]
             if not np.isfinite(total) or coef < values.dtype.type(self.clip_threshold):
                 reason = ("non-finite gradient norm" if not np.isfinite(total) else
@@ -260,37 +259,68 @@ class GradMonitor:
                                           reason=reason, total_norm=float(total), clip_coef=float(coef))
                 self.reports.append(report)
                 self.logger.warning("%s", report)
-            if logged:
-                write_scalars(self.writer, step, self.tags, values[2:].tolist())
+                reported = True
+            if plan is not None:
+                self._unwritten.append((step, plan, values))
         self._pending = waiting
+        if self._unwritten and (reported or self.step - self._unwritten[0][0] >= self.WRITE_EVERY):
+            self._write()
+
+    def _write(self) -> None:
+        """The waiting steps' statistics, computed together on the host, to the writer."""
+        unwritten, self._unwritten = self._unwritten, []
+        if self.writer is None:
+            return
+        for plan, entries in itertools.groupby(unwritten, key=lambda entry: entry[1]):
+            entries = list(entries)
+            rows = plan.layer_stats(np.stack([values for _, _, values in entries]))
+            for (step, _, _), row in zip(entries, rows.reshape(len(entries), -1).tolist()):
+                write_scalars(self.writer, step, self.tags, row)
 
 
 class _StatsPlan:
-    """What GradMonitor's per-layer statistics gather, made once per device, dtype and norm type:
-    index matrices, a row per watched layer, padded with an entry that changes nothing; into the
-    per-parameter norms (padded with 0, or inf for a negative norm order) and into the buffer of
-    the watched gradients' minima and maxima (padded with +inf and -inf)."""
+    """GradMonitor's per-layer statistics for one device, dtype and norm type. On the device: a
+    buffer of the watched gradients' minima (row 0) and maxima (row 1), each row padded with an
+    entry that changes no minimum (+inf) or maximum (-inf); 0-dim views of its entries are the
+    out= of each gradient's aminmax. On the host, from the step's copy (the total norm, the
+    clipping scale, the per-parameter norms, that buffer): index matrices, a row per watched
+    layer, padded likewise, into the norms (padded with 0, or inf for a negative norm order) and
+    into the buffer's rows. A layer's norm is the norm of its parameters' norms."""
 
     def __init__(self, layers: dict[str, list[int]], params: list, device: Any, dtype: Any, norm_type: float) -> None:
-        self.key, count = (device, dtype, norm_type), len(params)
-        self.watched = sorted({i for indices in layers.values() for i in indices})
-        self.params = [params[i] for i in self.watched]
+        self.key, self.norm_type, count = (device, dtype, norm_type), norm_type, len(params)
+        watched = sorted({i for indices in layers.values() for i in indices})
+        self.params = [params[i] for i in watched]
         self.sized = [p.numel() > 0 for p in self.params]
-        position = {i: k for k, i in enumerate(self.watched)}
+        position = {i: k for k, i in enumerate(watched)}
         width = max((len(indices) for indices in layers.values()), default=0)
-        pad = [width - len(indices) for indices in layers.values()]
-        self.norm_index = torch.tensor([indices + [count] * n for indices, n in zip(layers.values(), pad)],
-                                       dtype=torch.long, device=device).reshape(len(layers), width)
-        self.minmax_index = torch.tensor([[position[i] for i in indices] + [len(self.watched)] * n
-                                          for indices, n in zip(layers.values(), pad)],
-                                         dtype=torch.long, device=device).reshape(len(layers), width)
-        self.norm_pad = torch.full((1,), 0.0 if norm_type >= 0 else float("inf"), dtype=dtype, device=device)
-        # the watched gradients' minima, then their maxima, each row padded; 0-dim views of its
-        # entries are the out= of each gradient's aminmax
+        rows = [(indices, width - len(indices)) for indices in layers.values()]
+        self.norm_index = np.array([indices + [count] * n for indices, n in rows], dtype=np.intp)
+        self.minmax_index = np.array([[position[i] for i in indices] + [len(watched)] * n for indices, n in rows],
+                                     dtype=np.intp)
+        self.norm_index.shape = self.minmax_index.shape = (len(rows), width)
+        self.norm_pad = 0.0 if norm_type >= 0 else np.inf
+        self.count = count
         self.extremes = torch.tensor([float("inf"), float("-inf")], dtype=dtype, device=device)[:, None].repeat(
-            1, len(self.watched) + 1)
-        self.lows = list(self.extremes[0, :-1].unbind())
-        self.highs = list(self.extremes[1, :-1].unbind())
+            1, len(watched) + 1)
+        self.outs = list(zip(self.extremes[0, :-1].unbind(), self.extremes[1, :-1].unbind()))
+
+    def layer_stats(self, values: np.ndarray) -> np.ndarray:
+        """[norm, min, max, absmax, share] per step and watched layer (steps x layers x 5), from
+        the steps' copies (a row each)."""
+        values, count = values.astype(np.float64), self.count
+        pad = np.full((len(values), 1), self.norm_pad)
+        norms = np.concatenate([values[:, 2:2 + count], pad], axis=1)[:, self.norm_index]
+        extremes = values[:, 2 + count:].reshape(len(values), 2, -1)
+        with np.errstate(all="ignore"):  # a non-finite or zero norm gives what the device would
+            if self.norm_type == 2.0:
+                layer_norm = np.sqrt(np.square(norms).sum(axis=2))
+            else:
+                layer_norm = np.linalg.norm(norms, ord=self.norm_type, axis=2)
+            low = extremes[:, 0][:, self.minmax_index].min(axis=2)
+            high = extremes[:, 1][:, self.minmax_index].max(axis=2)
+            share = np.square(layer_norm / values[:, :1])
+            return np.stack([layer_norm, low, high, np.maximum(high, -low), share], axis=2)
 
 
 def write_scalars(writer: Any, step: int, tags: Sequence[str], values: Sequence[float]) -> None:

@@ -49,8 +49,8 @@ def direct(monitor, grads, norm_type):
     all_sq = sum(float(g.double().pow(2).sum()) for g in grads.values())
     out = {}
     for layer, indices in monitor.layers.items():
-        flat = torch.cat([grads[names[i]].double().reshape(-1) if names[i] in grads else torch.zeros(1, dtype=torch.float64)
-                          for i in indices])
+        zero = torch.zeros(1, dtype=torch.float64)
+        flat = torch.cat([grads[names[i]].double().reshape(-1) if names[i] in grads else zero for i in indices])
         norm = float(torch.linalg.vector_norm(flat, norm_type))
         low, high = float(flat.min()), float(flat.max())
         out[layer] = {"grad_norm": norm, "grad_min": low, "grad_max": high,
@@ -67,7 +67,7 @@ def test_layer_statistics_equal_those_computed_directly_before_clipping(norm_typ
     monitor = GradMonitor(model, layers="all", writer=recorder, log_every=1)
     assert len({len(indices) for indices in monitor.layers.values()}) > 1  # rows of different lengths
     expected = {}
-    for step in range(4):
+    for step in range(GradMonitor.WRITE_EVERY + 3):  # across a batch of writes
         model.zero_grad(set_to_none=True)
         backward(model, seed=step)
         if step == 2:
@@ -83,7 +83,30 @@ def test_layer_statistics_equal_those_computed_directly_before_clipping(norm_typ
                 if value is not None:
                     assert recorder.values[(f"{tag}/{layer}", step)] == pytest.approx(value, rel=1e-5, abs=1e-12), \
                         (step, tag, layer)
-    assert len(recorder.values) == 4 * len(monitor.layers) * len(GradMonitor.TAGS)
+    assert len(recorder.values) == len(expected) * len(monitor.layers) * len(GradMonitor.TAGS)
+
+
+def test_statistics_wait_at_most_write_every_steps_and_not_after_a_report():
+    torch.manual_seed(0)
+    model = Blocks()
+    recorder = Recorder()
+    monitor = GradMonitor(model, writer=recorder, log_every=1)
+    lag = GradMonitor.WRITE_EVERY
+    for step in range(3 * lag):
+        model.zero_grad()
+        backward(model, seed=step)
+        if step == 2 * lag + 3:
+            model.layers[2][0].weight.grad.mul_(1e6)  # clipping fires hard: a dominance report
+        monitor.clip_grad_norm_(1e3)
+        written = {s for _, s in recorder.values}
+        assert written == set(range(len(written)))  # in order, none skipped
+        if step == 2 * lag + 3:
+            assert len(monitor.reports) == 1 and written == set(range(step + 1))
+        else:
+            assert step + 2 - lag <= len(written) <= step + 1, step  # none waits WRITE_EVERY calls
+    assert len(recorder.values) < 3 * lag * len(monitor.tags)
+    monitor.flush()
+    assert {s for _, s in recorder.values} == set(range(3 * lag))
 
 
 def test_gradients_of_another_dtype_give_the_same_statistics():
@@ -150,6 +173,7 @@ def test_a_summary_writer_gets_every_step_as_one_event(tmp_path):
             p.grad = g
         twin.clip_grad_norm_(1e9)
     monitor.flush()
+    twin.flush()
     writer.close()
     tags = [f"{tag}/{layer}" for layer in monitor.layers for tag in GradMonitor.TAGS]
     events = read_events(tmp_path)
