@@ -5,6 +5,7 @@
         loss(model(batch)).backward()
         monitor.clip_grad_norm_(1.0)      # instead of torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step(); optimizer.zero_grad()
+    monitor.flush()                         # the last steps' statistics to the writer
     monitor.reports                         # dominance reports of the steps where clipping fired hard
 
 The per-parameter norms come from the same fused ``torch._foreach_norm`` call that
@@ -13,10 +14,11 @@ bit-for-bit those of PyTorch. A normal step adds a few scalar operations on the 
 non-blocking copy of the total norm and the clipping scale; it never waits for the device. They
 are read once the copy has arrived, usually at the next step; when the scale is below
 ``clip_threshold`` or the norm is not finite, ``dominance_report`` names the parameters that
-dominate the gradient norm. A step that logs per-layer statistics reuses those norms (a layer's
-norm is the norm of its parameters' norms), adds one min/max pass over the watched layers'
-gradients and a handful of tensor operations, rides on the same copy, and writes its scalars to
-a TensorBoard SummaryWriter as one event.
+dominate the gradient norm. A step that logs per-layer statistics adds one min/max pass over
+the watched layers' gradients into a buffer that rides on the same copy with the per-parameter
+norms; the layers' statistics are computed from them on the host (a layer's norm is the norm of
+its parameters' norms) for a batch of steps at a time, and a TensorBoard SummaryWriter gets each
+step's scalars as one event.
 """
 
 from __future__ import annotations
