@@ -51,8 +51,8 @@ class StepRecorder:
         # parameter into host views of the buffers, without gathering the step first. (Adding on a
         # second thread beside the next forward was measured slower: torch's threads want both cores.)
         self.views = None
-        if (first.device.type == "cpu" and reduce_step is None and step_dtype == torch.float32
-                and self.manual.dtype in (torch.float32, torch.float64)):
+        if (first.device.type == "cpu" and reduce_step is None and self.manual.dtype in (torch.float32, torch.float64)
+                and all(p.dtype == torch.float32 for p in params.values())):
             self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
                           for name, span in self._spans()}
 
