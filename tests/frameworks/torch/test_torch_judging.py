@@ -92,6 +92,7 @@ def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, f
 @pytest.mark.parametrize("inject", [None, "scale", "drop-step"])
 def test_your_own_model_judged_on_the_device_gives_the_host_report(inject, monkeypatch):
     import accumcheck.torch
+
     from accumcheck.frameworks.torch import model_check
 
     def model():
