@@ -90,12 +90,8 @@ class StepRecorder:
 
     def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
         """Per-parameter (manual, exact, absum) views of the flat buffers."""
-        out, offset = {}, 0
-        for name, p in self.params.items():
-            span = slice(offset, offset + p.numel())
-            out[name] = tuple(buf[span].view(p.shape) for buf in (self.manual, self.exact, self.absum))
-            offset += p.numel()
-        return out
+        return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
+                for name, span in self._spans()}
 
 
 def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:

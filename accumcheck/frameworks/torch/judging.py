@@ -35,10 +35,7 @@ def _ordered(bits: torch.Tensor, low: int) -> torch.Tensor:
 
 
 def _first_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest value (0 for none) and the first index holding it (argmax: its first)."""
-    if not values.numel():
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        return zero, torch.zeros((), dtype=torch.int64, device=values.device)
+    """The largest value of a non-empty slice and the first index holding it (argmax: its first)."""
     return values.max(), values.argmax()
 
 
