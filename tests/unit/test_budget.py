@@ -130,6 +130,7 @@ def test_a_ratio_map_made_in_one_compiled_pass_is_the_map_made_whole(shape):
     s = np.abs(e) * 3
     if a.size > 3:
         a.reshape(-1)[2] = np.inf
+        b.reshape(-1)[-1] = np.nan  # a NaN distance is infinitely far, as an infinite one
     nb, mb = ModeBound.for_sum("float32", 8, 4.0), ModeBound.for_sum("float32", 8)
     # the map as it was made before blocks: every ratio at once
     rms = ratio.absum_rms(s)
