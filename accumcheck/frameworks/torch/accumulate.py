@@ -3,8 +3,8 @@
 Native accumulation is PyTorch's own: ``.grad`` accumulating across ``backward()`` calls. A hook
 on each parameter sees the micro-gradient before it is added (leaf-tensor hooks run before
 AccumulateGrad); after the backward the step is added into the manual buffer and the float64
-sums E and S. The two modes see the very same micro-gradients and nothing is kept from one
-micro-step to the next.
+sums E and S (on the CPU, eight steps at a time from a ring of flat copies). The two modes see
+the very same micro-gradients, and the memory held does not grow with the number of micro-steps.
 """
 
 from __future__ import annotations
@@ -18,21 +18,30 @@ import torch
 from ...backend import Progress
 from ...cases import Case
 from ...faults import Fault, FaultInjector
-from ..hostsums import add_step
+from ..hostsums import add_eight_steps, add_step
 from .accumulator import GradAccumulator
 from .model import case_loss, to_inputs
+
+# On the CPU, eight micro-steps are gathered into a ring of flat float32 buffers and added in one
+# pass, as long as the ring takes no more than HELD_BYTES: eight separate passes would read and
+# write manual, E and S eight times.
+HELD_STEPS = 8
+HELD_BYTES = 16 * 2**20
 
 
 class StepRecorder:
     """Feeds manual, E and S from the micro-gradients the native path receives.
 
     During backward the hooks only keep a reference to each parameter's micro-gradient; after
-    backward the step goes into flat buffers: on the CPU in float32, one fused compiled pass per
-    parameter; otherwise one concatenation and one fused pass (three adds on CUDA), instead of
-    three small operations per parameter inside the backward."""
+    backward the step goes into flat buffers, instead of three small operations per parameter
+    inside the backward. On the CPU in float32: gathered into the ring and added every
+    ``HELD_STEPS`` steps in one compiled pass; without the ring (``hold_steps`` False, or a model
+    too large for it), one compiled pass per parameter and step where the gradient lies.
+    Otherwise one concatenation and one fused pass per step (three adds on CUDA). Each element
+    takes the same additions in the same order on every path."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
-                 reduce_step: Callable[[Any], Any] | None = None) -> None:
+                 reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True) -> None:
         self.params = params
         # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
         self.reduce_step = reduce_step
@@ -44,29 +53,40 @@ class StepRecorder:
         self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
         self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
-        self.step = torch.empty(total, dtype=step_dtype, device=first.device)
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
-        # float32 on the CPU: each micro-gradient is added where it lies, one compiled pass per
-        # parameter into host views of the buffers, without gathering the step first. (Adding on a
-        # second thread beside the next forward was measured slower: torch's threads want both cores.)
-        self.views = None
-        if (first.device.type == "cpu" and reduce_step is None and self.manual.dtype in (torch.float32, torch.float64)
-                and all(p.dtype == torch.float32 for p in params.values())):
+        self.ring = self.views = self.step = None
+        self.filled = 0  # ring rows holding a step not yet added
+        # (Adding on a second thread beside the next forward was measured slower: torch's threads
+        # want both cores.)
+        host = (first.device.type == "cpu" and reduce_step is None and self.manual.dtype in (torch.float32, torch.float64)
+                and all(p.dtype == torch.float32 for p in params.values()))
+        if host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES:
+            self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32)
+        elif host:
             self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
                           for name, span in self._spans()}
+        else:
+            self.step = torch.empty(total, dtype=step_dtype, device=first.device)
 
     def flush(self) -> None:
-        """Add the step just finished into manual, E and S."""
+        """Add the step just finished into manual, E and S (on the ring, once it is full)."""
         grads = self.grads
         if len(grads) < len(self.params):  # a parameter unused in this micro-step
             for name, p in self.params.items():
                 if name not in grads:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
+        if self.ring is not None:
+            torch.cat([grads[name].reshape(-1) for name in self.params], out=self.ring[self.filled])
+            grads.clear()
+            self.filled += 1
+            if self.filled == HELD_STEPS:
+                self._add_ring()
+            return
         if self.views is not None:
             for name, (manual, exact, absum) in self.views.items():
-                add_step(grads[name].detach().contiguous().view(-1).numpy(), manual, exact, absum)
+                add_step(grads[name].detach().numpy().reshape(-1), manual, exact, absum)
             grads.clear()
             return
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
@@ -82,6 +102,16 @@ class StepRecorder:
             self.exact.add_(self.step)
             self.absum.add_(self.step.abs_())
 
+    def _add_ring(self) -> None:
+        """The steps on the ring, in their order, into manual, E and S."""
+        rows, sums = self.ring.numpy(), (self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        if self.filled == HELD_STEPS:
+            add_eight_steps(*rows, *sums)
+        else:
+            for row in rows[:self.filled]:
+                add_step(row, *sums)
+        self.filled = 0
+
     def _spans(self) -> Iterator[tuple[str, slice]]:
         offset = 0
         for name, p in self.params.items():
@@ -89,7 +119,9 @@ class StepRecorder:
             offset += p.numel()
 
     def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
-        """Per-parameter (manual, exact, absum) views of the flat buffers."""
+        """Per-parameter (manual, exact, absum) views of the flat buffers, every step added."""
+        if self.filled:
+            self._add_ring()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
 
@@ -109,7 +141,8 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
               phase: str, accum_dtype: Any = None, mode: str = "native",
               params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``.
-    ``params``: the parameters to record (a group of them; default all)."""
+    ``params``: the parameters to record (a memory budget's group of them, which holds no
+    micro-gradient beyond its step; default all)."""
     dtype = next(model.parameters()).dtype
     total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
 
@@ -119,13 +152,13 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
         return case_loss(case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
 
     return accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
-                      accum_dtype, mode)
+                      accum_dtype, mode, hold_steps=params is None)
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
                step_context: Callable[[int], Any] | None = None,
-               reduce_step: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+               reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
     ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
@@ -133,10 +166,11 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     "compensated" (GradAccumulator taking each micro-step's ``.grad``).
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
     (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
-    the manual buffer adds (its all-reduced mean). Returns {"buffers": name -> (manual, exact, absum),
+    the manual buffer adds (its all-reduced mean). ``hold_steps`` False: nothing kept beyond one
+    micro-step (a memory budget's groups; see StepRecorder). Returns {"buffers": name -> (manual, exact, absum),
     "native": name -> accumulated .grad, "loss": mean loss, "steps_with_grad": name -> micro-steps
     with a gradient, for the parameters that missed some}."""
-    recorder = StepRecorder(params, accum_dtype, reduce_step)
+    recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps)
     handles = []
     state = {"step": 0}
     injector = None

@@ -124,7 +124,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
         """The N micro-steps with ``part``'s parameters recorded: native and (manual, E, S) on the host."""
         result = accumulate(part, step_loss(model, uniform, cast, scale), steps,
                             fault if fault is not None and fault.param in part else None, progress, phase,
-                            accum_dtype, mode)
+                            accum_dtype, mode, hold_steps=budget is None)
         if scale is None and judged_on_device(next(iter(part.values())).device):
             # Judged on the GPU: the tensors themselves, each with its reduction there.
             native = {name: device_arrays(g, *result["buffers"][name]) for name, g in result["native"].items()}

@@ -1,0 +1,60 @@
+"""The StepRecorder's manual buffer, E and S: every element takes every micro-step's addition in
+step order, whichever path adds them (eight steps at a time from the ring, or step by step)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from accumcheck.frameworks.torch.accumulate import HELD_STEPS, StepRecorder  # noqa: E402
+
+
+def _micro_gradients(shapes: dict, steps: int, seed: int) -> list[dict]:
+    """Values spread over sixteen orders of magnitude and both signs: summed in another order (or
+    rounded to float32 once instead of per step), the sums come out different."""
+    rng = np.random.default_rng(seed)
+    return [{name: torch.from_numpy((rng.standard_normal(shape) * 10.0 ** rng.integers(-8, 8, shape)).astype(np.float32))
+             for name, shape in shapes.items()} for _ in range(steps)]
+
+
+def _expected(grads: list[dict], name: str, accum: np.dtype) -> tuple:
+    manual = np.zeros(grads[0][name].numel(), accum)
+    exact = np.zeros(manual.size)
+    absum = np.zeros(manual.size)
+    for step in grads:
+        g = step[name].numpy().reshape(-1)
+        manual = (manual + g.astype(accum)).astype(accum)  # one rounding per step, in the buffer's dtype
+        exact = exact + g.astype(np.float64)
+        absum = absum + np.abs(g.astype(np.float64))
+    return manual, exact, absum
+
+
+@pytest.mark.parametrize("steps", [1, 3, HELD_STEPS, 13, 2 * HELD_STEPS])
+@pytest.mark.parametrize("accum", [torch.float32, torch.float64])
+def test_every_step_is_added_in_order_on_every_path(steps, accum):
+    shapes = {"weight": (37, 11), "bias": (300,), "scale": (1,)}
+    params = {name: torch.zeros(shape, requires_grad=True) for name, shape in shapes.items()}
+    grads = _micro_gradients(shapes, steps, seed=steps)
+    ring = StepRecorder(params, accum)
+    per_step = StepRecorder(params, accum, hold_steps=False)
+    assert ring.ring is not None and per_step.ring is None and per_step.views is not None
+    for recorder in (ring, per_step):
+        for index, step in enumerate(grads):
+            # "bias" gets no gradient in micro-step 1: the recorder adds zeros and counts it
+            recorder.grads.update({name: g for name, g in step.items() if not (index == 1 and name == "bias")})
+            recorder.flush()
+    if steps > 1:
+        grads[1]["bias"] = torch.zeros(300)
+    for recorder in (ring, per_step):
+        assert recorder.missing == ({"bias": 1} if steps > 1 else {})
+        for name in shapes:
+            got = [t.reshape(-1).numpy() for t in recorder.buffers()[name]]
+            for have, want in zip(got, _expected(grads, name, np.dtype(str(accum).removeprefix("torch.")))):
+                assert have.dtype == want.dtype and np.array_equal(have, want), name
+
+
+def test_a_model_too_large_for_the_ring_adds_step_by_step():
+    from accumcheck.frameworks.torch.accumulate import HELD_BYTES
+
+    big = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS) + 1, requires_grad=True)}
+    small = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS), requires_grad=True)}
+    assert StepRecorder(big).ring is None and StepRecorder(small).ring is not None
