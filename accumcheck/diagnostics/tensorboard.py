@@ -4,6 +4,7 @@ writer, the one torch.utils.tensorboard.SummaryWriter wraps)."""
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from ..errors import AccumcheckError
 
@@ -23,6 +24,12 @@ class ScalarWriter:
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def add_step(self, step: int, tags: Sequence[str], values: Sequence[float]) -> None:
+        """``add_scalar(tag, value, step)`` for each tag, as one event (one value per tag)."""
+        value = self._summary.Value
+        summary = self._summary(value=[value(tag=t, simple_value=float(v)) for t, v in zip(tags, values)])
         self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:

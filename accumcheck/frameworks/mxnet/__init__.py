@@ -3,13 +3,14 @@
 
     import accumcheck.mxnet
     report = accumcheck.mxnet.check(net, loss_fn, batches, accum_steps=16, ctx=mx.cpu())
+    monitor = accumcheck.mxnet.GradMonitor(net, writer="runs/x")   # gradient diagnostics
 
-Importing this package does not import MXNet; using ``check`` does.
+Importing this package does not import MXNet; using ``check`` or ``GradMonitor`` does.
 """
 
 from typing import Any
 
-__all__ = ["check"]
+__all__ = ["GradMonitor", "check"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from .model_check import check
 
         return check
+    if name == "GradMonitor":
+        from .diagnostics import GradMonitor
+
+        return GradMonitor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
