@@ -29,7 +29,7 @@ from .faults import Fault, resolve_fault
 from .judge import Judge, agreement, build_report, forward_agreement
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
 from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
-from .registry import backend_names, get_backend, installed_backends
+from .registry import backend_names, backend_options, get_backend, installed_backends
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
 from .repro import ReproFiles, check_request, target_of, write_text
 from .repro import write as write_script
@@ -184,15 +184,22 @@ def train(case: str | Path | Case = "tiny-grads", *, steps: int = 20, optimizer:
           progress: Progress | None = None, **options: Any) -> TrajectoryReport:
     """``steps`` optimizer steps of ``case`` from the same start with native and manual
     accumulation (and the whole model in float64 with ``oracle``): ``accumcheck train``.
-    ``options``: framework, device, accum_steps, seed, inject, oracle. Raises AccumcheckError
+    ``options``: framework, device, accum_steps, seed, inject, oracle, dtype, and a backend's
+    own (MXNet's ``hybridize``, ``multi_precision``). Raises AccumcheckError
     for bad input or a backend that cannot train."""
     own = checked_values({"steps": steps, "optimizer": optimizer, "lr": lr}, TRAIN_OPTIONS)
-    config = configure({"case": case, **options}, only=TRAIN_RUN_OPTIONS, what="train")
+    config = configure({"case": case, **options}, only=TRAIN_RUN_OPTIONS + tuple(backend_options()), what="train")
     backend = get_backend(config.framework)
     if not backend.capabilities.trajectory:
         able = [name for name in backend_names() if get_backend(name, installed=False).capabilities.trajectory]
         raise AccumcheckError(f"train: the {backend.name} backend runs no training trajectories; "
                               f"use --framework {' or '.join(able) or 'NAME of one that does'}")
+    if config.dtype not in backend.capabilities.trajectory_dtypes:
+        able = [name for name in backend_names()
+                if config.dtype in get_backend(name, installed=False).capabilities.trajectory_dtypes]
+        raise AccumcheckError(f"train --dtype {config.dtype}: the {backend.name} backend trains "
+                              f"{', '.join(backend.capabilities.trajectory_dtypes)} parameters only"
+                              + (f"; use --framework {' or '.join(able)}" if able else ""))
     return backend.train(config, own["steps"], own["optimizer"], own["lr"], progress)
 
 

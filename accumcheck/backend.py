@@ -46,6 +46,7 @@ class Capabilities:
     reduce_dtypes: tuple[str, ...] = ("float32",)
     single_process_only: tuple[str, ...] = ()
     trajectory: bool = False
+    trajectory_dtypes: tuple[str, ...] = ("float32",)  # the parameter dtypes ``accumcheck train`` runs
     replay: bool = False  # streams a run's micro-gradients again (micro_gradients): causes, statistical tier
     memory_budget: bool = False  # runs the tensors in groups (run_groups, tensor_needs): --memory-budget
     layer_types: tuple[str, ...] = LAYER_TYPES  # the layer types it builds a case from

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         if option.name in TRAIN_RUN_OPTIONS:
             option.add_to(train.add_argument, default="tiny-grads" if option.name == "case" else ...)
     add_options(train.add_argument, TRAIN_OPTIONS)
+    _add_backend_options(train, own)
     train.add_argument("--format", choices=("table", "json"), default="table", help="(default: %(default)s)")
     train.add_argument("--output", metavar="FILE", help="write the JSON there, and the PNG plot beside it")
 
@@ -229,7 +230,8 @@ def _train(args: argparse.Namespace) -> int:
     _check_outputs(args)
     with _LazyProgress() as progress:
         report = api.train(args.case, steps=args.steps, optimizer=args.optimizer, lr=args.lr, progress=progress,
-                           **{k: v for k, v in _options(args, TRAIN_RUN_OPTIONS).items() if k != "case"})
+                           **{k: v for k, v in _options(args, TRAIN_RUN_OPTIONS + tuple(backend_options())).items()
+                              if k != "case"})
     if args.output:
         write_or_rescue("--output", args.output, report.to_json())
         try:

@@ -272,7 +272,7 @@ TRAIN_OPTIONS: tuple[Option, ...] = (
     Option("optimizer", "optimizer", "the optimizer", default="adam", choices=("adam", "sgd")),
     Option("lr", "lr", "learning rate", default=1e-3, check=positive_float, metavar="LR"),
 )
-TRAIN_RUN_OPTIONS = ("framework", "device", "case", "accum_steps", "seed", "inject", "oracle", "force")
+TRAIN_RUN_OPTIONS = ("framework", "device", "case", "accum_steps", "seed", "inject", "oracle", "force", "dtype")
 
 
 def command_line(record: dict[str, Any], command: str = "accumcheck compare") -> str:

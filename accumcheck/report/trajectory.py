@@ -23,6 +23,7 @@ class TrajectoryReport(Serialised):
     first_out_of_band: dict[str, int]  # tensor -> first step whose difference left the band
     oracle_diff: dict[str, list[float]] = field(default_factory=dict)  # kind -> max |native - float64|
     non_finite: dict[str, int] = field(default_factory=dict)  # "loss (mode)" or tensor -> first non-finite step
+    settings: dict[str, str] = field(default_factory=dict)  # how the backend ran it (its optimizer step, dtype)
     kind: str = "trajectory"
     schema_version: int = SCHEMA_VERSION
 

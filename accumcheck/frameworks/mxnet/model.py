@@ -87,10 +87,20 @@ class MXNetOps:
         return x + self.F.broadcast_mul(inner, gate.reshape((1,) * self.rank))
 
 
+def float16_on_cpu(dtype: str, ctx: Any) -> bool:
+    """Whether the block computes in float32 from float16 parameters: MXNet 1.x has no float16
+    FullyConnected or batch_dot on the CPU (cuDNN only). The gradients come back through the cast
+    in float16, so grad_req='add' still sums float16 gradients in float16, as on a GPU; only the
+    forward's own rounding differs from a GPU's float16 kernels."""
+    return dtype == "float16" and ctx.device_type == "cpu"
+
+
 def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any) -> Any:
-    """The case as a Gluon HybridBlock holding ``weights``; ``canonical`` maps names to Parameters."""
+    """The case as a Gluon HybridBlock holding ``weights`` in ``dtype``; ``canonical`` maps names
+    to Parameters. float16 on the CPU computes in float32 (``float16_on_cpu``)."""
     shapes = {p.name: p.shape for p in case.parameters()}
     rank = 3 if case.input.kind == "tokens" else 2
+    upcast = float16_on_cpu(dtype, ctx)
 
     class CaseBlock(mx.gluon.HybridBlock):
         def __init__(self) -> None:
@@ -105,6 +115,9 @@ def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any
 
         def hybrid_forward(self, F: Any, x: Any, *gates: Any, **params: Any) -> Any:
             named = {name: params[_sanitize(name)] for name in self.canonical}
+            if upcast:
+                x, gates = F.cast(x, dtype="float32"), tuple(F.cast(g, dtype="float32") for g in gates)
+                named = {name: F.cast(p, dtype="float32") for name, p in named.items()}
             return run_layers(case, x, named, MXNetOps(F, gates[0] if gates else None, rank), shapes)
 
     block = CaseBlock()
@@ -117,7 +130,7 @@ def build_block(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any
 def case_loss(case: Case, logits: Any, labels: Any, total_tokens: int | None = None) -> Any:
     """Softmax cross-entropy, padding ignored, as torch.nn.functional.cross_entropy computes it."""
     classes = case.num_classes
-    flat = labels.reshape((-1,))
+    flat = labels.reshape((-1,)).astype(logits.dtype, copy=False)  # float16 labels meet float32 logits on the CPU
     kept = flat != IGNORE_LABEL
     picked = mx.nd.pick(mx.nd.log_softmax(logits.reshape((-1, classes)), axis=-1), mx.nd.maximum(flat, 0), axis=-1)
     total = -(picked * kept).sum()

@@ -88,9 +88,11 @@ def native_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
 
 def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any, progress: Progress | None,
                 refresh: Callable[[], None] | None = None,
-                counts: dict[str, int] | None = None) -> tuple[dict, dict, dict, float, np.ndarray]:
-    """grad_req='write'; each micro-step's p.grad() goes into acc (float32), E and S (float64).
-    Returns acc, E, S (numpy), the mean loss and the output of micro-step 0 (numpy). With
+                counts: dict[str, int] | None = None,
+                accum_dtype: str | None = None) -> tuple[dict, dict, dict, float, np.ndarray]:
+    """grad_req='write'; each micro-step's p.grad() goes into acc (``accum_dtype``, default the
+    parameter's), E and S (float64). Returns acc, E, S (numpy), the mean loss and the output of
+    micro-step 0 (numpy). With
     ``counts`` every gradient is zeroed before each micro-step and counts[name] becomes the number
     of micro-steps whose gradient was not all zero."""
     set_grad_req(params, {}, "write", refresh)
@@ -105,11 +107,11 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
     # Element by element both are acc[name][:] += p.grad().
     on_cpu = ctx.device_type == "cpu"
     if on_cpu:
-        acc = {name: np.zeros(p.shape, np.dtype(p.dtype)) for name, p in params.items()}
+        acc = {name: np.zeros(p.shape, np.dtype(accum_dtype or p.dtype)) for name, p in params.items()}
         exact = {name: np.zeros(p.shape, np.float64) for name, p in params.items()}
         absum = {name: np.zeros(p.shape, np.float64) for name, p in params.items()}
     else:
-        acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=p.dtype) for name, p in params.items()}
+        acc = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype=accum_dtype or p.dtype) for name, p in params.items()}
         exact = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
         absum = {name: mx.nd.zeros(p.shape, ctx=ctx, dtype="float64") for name, p in params.items()}
     losses: list[Any] = []
@@ -123,7 +125,7 @@ def manual_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx: Any
         else:
             for name, param in params.items():
                 grad = param.grad()
-                acc[name][:] += grad
+                acc[name][:] += grad.astype(acc[name].dtype, copy=False)
                 wide = grad.astype("float64")
                 exact[name][:] += wide
                 absum[name][:] += mx.nd.abs(wide)
@@ -163,6 +165,8 @@ def micro_steps(step: StepFn, accum_steps: int, losses: list[Any]) -> Iterator[t
 def _add_on_host(grads: dict[str, Any], acc: dict, exact: dict, absum: dict, hits: dict[str, Any] | None) -> None:
     for name, grad in grads.items():
         flat = grad.asnumpy().reshape(-1)
+        if flat.dtype == np.float16:  # the compiled adds take float32 (which holds every float16)
+            flat = flat.astype(np.float32)
         add_step(flat, acc[name].reshape(-1), exact[name].reshape(-1), absum[name].reshape(-1))
         if hits is not None and flat.any():
             hits[name] += 1

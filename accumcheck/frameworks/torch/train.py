@@ -12,7 +12,6 @@ round-off band of one float32 ulp of the tensor's largest parameter.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,9 @@ import torch
 from ...backend import Progress
 from ...config import RunConfig
 from ...report import TrajectoryReport
+from ...trajectory import Trajectory
 from .accumulate import accumulate
-from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs
+from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
@@ -48,12 +48,7 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
             return case_loss(the_case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
         return run
 
-    losses: dict[str, list[float]] = {"native": [], "manual": []}
-    diffs: dict[str, list[float]] = {k: [] for k in sorted(set(kinds.values()))}
-    ratios: dict[str, list[float]] = {k: [] for k in diffs}
-    oracle_diff: dict[str, list[float]] = {k: [] for k in diffs} if oracle else {}
-    first_out: dict[str, int] = {}
-    non_finite: dict[str, int] = {}
+    trace = Trajectory(kinds, oracle=oracle)
     with deterministic(dev), isolated(dev):
         native = build_model(the_case, weights, torch.float32, dev)
         manual = build_model(the_case, weights, torch.float32, dev)
@@ -64,57 +59,29 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
             # An injected fault hits micro-step N//2 of every optimizer step.
             try:
                 result = accumulate(native.canonical, step_loss(native, k), n, fault, None, "native")
-                losses["native"].append(result["loss"])
+                trace.loss("native", k, result["loss"])
                 opt_native.step()
-                losses["manual"].append(_manual_step(manual, step_loss(manual, k), n))
+                trace.loss("manual", k, _manual_step(manual, step_loss(manual, k), n))
                 opt_manual.step()
                 if twin is not None:
-                    losses.setdefault("float64", []).append(
-                        accumulate(twin.canonical, step_loss(twin, k), n, None, None, "float64")["loss"])
+                    trace.loss("float64", k, accumulate(twin.canonical, step_loss(twin, k), n, None, None,
+                                                        "float64")["loss"])
                     opt_twin.step()
             except RuntimeError as exc:
                 if "overflow" not in str(exc):
                     raise
                 # torch refuses an update past float32's range (Adam's lr / bias correction): the
                 # run has left finite numbers at this step; the steps after it are not run
-                non_finite.setdefault("optimizer update (overflow)", k)
+                trace.diverged("optimizer update (overflow)", k)
                 break
-            for mode, trace in losses.items():
-                if not math.isfinite(trace[-1]):
-                    non_finite.setdefault(f"loss ({mode})", k)
-            per_kind: dict[str, float] = {}
-            per_ratio: dict[str, float] = {}
-            broken: set[str] = set()  # kinds with a non-finite tensor: their figures are nan
-            per_oracle: dict[str, float] = {}
-            for name, p in native.canonical.items():
-                a, b = p.detach().double(), manual.canonical[name].detach().double()
-                if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-                    non_finite.setdefault(name, k)
-                    broken.add(kinds[name])
-                    continue  # a difference of inf or nan is no distance from the band
-                diff = float((a - b).abs().max())
-                band = float(np.spacing(np.float32(a.abs().max())))
-                kind = kinds[name]
-                per_kind[kind] = max(per_kind.get(kind, 0.0), diff)
-                per_ratio[kind] = max(per_ratio.get(kind, 0.0), diff / band if band else 0.0)
-                if diff > band and name not in first_out:
-                    first_out[name] = k
-                if twin is not None:
-                    gap = float((a - twin.canonical[name].detach()).abs().max())
-                    per_oracle[kind] = max(per_oracle.get(kind, 0.0), gap)
-            for kind in diffs:
-                diffs[kind].append(math.nan if kind in broken else per_kind.get(kind, 0.0))
-                ratios[kind].append(math.nan if kind in broken else per_ratio.get(kind, 0.0))
-                if twin is not None:
-                    oracle_diff[kind].append(per_oracle.get(kind, 0.0))
+            trace.record(k, _host(native), _host(manual), _host(twin) if twin is not None else None)
             if progress is not None:
                 progress("train", k + 1, steps)
-    for trace in [*losses.values(), *diffs.values(), *ratios.values(), *oracle_diff.values()]:
-        trace.extend([math.nan] * (steps - len(trace)))  # the steps not run, after an overflow
-    return TrajectoryReport(case=the_case.name, optimizer=optimizer, lr=lr, accum_steps=n, steps=steps,
-                            inject=None if fault is None else str(fault), versions=versions, losses=losses,
-                            max_diff=diffs, band_ratio=ratios, first_out_of_band=first_out, oracle_diff=oracle_diff,
-                            non_finite=non_finite)
+    return trace.report(the_case.name, optimizer, lr, n, steps, fault, versions)
+
+
+def _host(model: Any) -> dict[str, np.ndarray]:
+    return {name: to_numpy(p.detach()) for name, p in model.canonical.items()}
 
 
 def _manual_step(model: Any, step_loss: Any, accum_steps: int) -> float:
