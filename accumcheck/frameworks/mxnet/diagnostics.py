@@ -150,9 +150,9 @@ class GradMonitor:
     ``add_scalar(tag, value, step)``, or a log directory (the monitor then makes a TensorBoard
     writer there and closes it in ``close()``). Statistics of the gradients before clipping are
     logged every ``log_every`` steps, or every step while a window opened by ``enable`` lasts;
-    they reach the writer in batches: once the oldest waiting step is ``WRITE_EVERY`` steps old,
-    at once after a dominance report, and at ``flush()``/``close()``. A step whose clipping
-    scale falls below ``clip_threshold``, or whose gradient norm is not finite, gets a dominance
+    they reach the writer in batches: once ``WRITE_EVERY`` steps wait or the oldest is
+    ``log_every`` (at least ``WRITE_EVERY``) steps old, at once after a dominance report, and
+    at ``flush()``/``close()``. A step whose clipping scale falls below ``clip_threshold``, or whose gradient norm is not finite, gets a dominance
     report of ``top_k`` parameters, logged as a warning and kept in ``reports``. ``ctx``: the
     context whose gradients to clip, for parameters on several contexts.
     """
@@ -204,8 +204,11 @@ class GradMonitor:
             squares = self._squares(grads, live)
             total, norms = mx.nd.sqrt(mx.nd.sum(squares)), mx.nd.sqrt(squares)
             coef = mx.nd.minimum(max_norm / (total + 1e-8), 1.0)
-            parts = [total, coef, norms] + (self._extremes(grads, live, total.context) if logged else [])
-            self._pending.append(HostCopy(mx.nd.concat(*parts, dim=0), (step, logged)))
+            parts, on_host = [total, coef, norms], []
+            if logged:
+                on_host = self._on_host(grads, live)
+                parts += [] if on_host else self._extremes(grads, live, total.context)
+            self._pending.append(HostCopy(mx.nd.concat(*parts, dim=0), (step, logged), on_host))
             # The engine orders the in-place scaling after every read of the gradients pushed above.
             scales: dict[tuple, Any] = {}
             for grad in grads:
@@ -311,6 +314,14 @@ class GradMonitor:
         index = [where.get(i, len(order)) for i in range(len(self.params))]
         return list(groups.values()), mx.nd.array(index, ctx=grads[0].context, dtype="int64")
 
+    def _on_host(self, grads: list[Any], live: list[int]) -> list[Any]:
+        """The watched gradients when every one is on the CPU, where HostCopy finds their minima
+        and maxima faster than the engine's reductions; else none."""
+        position = {i: k for k, i in enumerate(live)}
+        watched = [grads[position[i]] for i in self._rows.watched if i in position]
+        on_cpu = len(watched) == len(self._rows.watched) and all(g.context.device_type == "cpu" for g in watched)
+        return watched if on_cpu else []
+
     def _extremes(self, grads: list[Any], live: list[int], ctx: Any) -> list[Any]:
         """The watched gradients' minima, then their maxima (0 for a parameter without one)."""
         position = {i: k for k, i in enumerate(live)}
@@ -344,7 +355,10 @@ class GradMonitor:
                 reported = True
             if logged:
                 self._unwritten.append((step, values))
-        if self._unwritten and (reported or self.step - self._unwritten[0][0] >= self.WRITE_EVERY):
+        # A batch of WRITE_EVERY steps, or the oldest log_every (at least WRITE_EVERY) steps old: the
+        # values may arrive many steps late, when the engine lags behind.
+        if self._unwritten and (reported or len(self._unwritten) >= self.WRITE_EVERY or
+                                self.step - self._unwritten[0][0] >= max(self.WRITE_EVERY, self.log_every)):
             self._write()
 
     def _report(self, norms: np.ndarray, step: int, reason: str, total: float, coef: float) -> DominanceReport:
