@@ -375,6 +375,28 @@ def mxnet_figures() -> dict[str, str]:
     return figures
 
 
+@group("mxnet-train", needs="mxnet==1.9.1")
+def mxnet_train_figures() -> dict[str, str]:
+    """accumcheck train --framework mxnet: gluon.Trainer over grad_req='add' against the buffer."""
+    import accumcheck
+
+    adam = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="adam", inject="roundoff", oracle=True)
+    sgd = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="sgd", inject="roundoff", oracle=True)
+    clean = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="adam")
+    shared = accumcheck.train("shared-weight", framework="mxnet", steps=15, optimizer="adam")
+    figures = {"mxnet.train.adam-first": str(min(adam.first_out_of_band.values())),
+               "mxnet.train.adam-step9": power_of_ten(max(v[9] for v in adam.band_ratio.values())),
+               "mxnet.train.clean": "stays within the band" if clean.exit_code == 0 else "leaves the band"}
+    sgd_worst = max(max(v) for v in sgd.band_ratio.values())
+    figures["mxnet.train.sgd"] = "half an ulp" if sgd_worst <= 0.5 else f"{sig(sgd_worst, 2)} ulps"
+    figures["mxnet.train.shared"] = (f"leaves it at step {min(shared.first_out_of_band.values())}"
+                                     if shared.first_out_of_band else "stays within it")
+    # the same SGD run as mxnet.160.train, on a release without apache/mxnet#16708
+    split = accumcheck.train("shared-weight", framework="mxnet", steps=5, optimizer="sgd", lr=1e-2)
+    figures["mxnet.train.shared-sgd"] = f"{sig(max(v[0] for v in split.band_ratio.values()), 2)} ulps"
+    return figures
+
+
 @group("mxnet-1.6.0", needs="mxnet==1.6.0")
 def mxnet_16708_figures() -> dict[str, str]:
     def excerpt(lines: list[str]) -> list[str]:
@@ -398,6 +420,9 @@ def mxnet_16708_figures() -> dict[str, str]:
                         "--output", str(new)], capture_output=True, check=True, timeout=900)
         diff = subprocess.run([fixed, "diff", str(old), str(new)], capture_output=True, text=True, timeout=900)
     figures["mxnet.160.diff"] = f"`{diff.stdout.strip().splitlines()[-1]}`"
+    split = accumcheck.train("shared-weight", framework="mxnet", steps=5, optimizer="sgd", lr=1e-2)
+    figures["mxnet.160.train"] = (f"step {min(split.first_out_of_band.values())}, "
+                                  f"{power_of_ten(max(v[0] for v in split.band_ratio.values()))} ulps apart")
     return figures
 
 

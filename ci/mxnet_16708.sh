@@ -41,6 +41,20 @@ echo "$changes" | tail -n 1
 if ! echo "$changes" | grep -q "shared.weight (diverged -> round-off)"; then
     echo "FAIL: accumcheck diff does not name shared.weight going from diverged to round-off"; failed=1
 fi
+# The training trajectory under SGD (which keeps round-off in the band's neighbourhood): on 1.6.0
+# native and manual split at the first optimizer step by millions of ulps; on 1.9.1 they stay within
+# the kAddTo kernels' round-off.
+for release in 1.6.0 1.9.1; do
+    runner=$([ "$release" = 1.6.0 ] && echo "$venv/bin/accumcheck" || echo "$new")
+    "$runner" train --framework mxnet --case shared-weight --steps 3 --optimizer sgd --lr 0.01 \
+        --format json >"$reports/train-$release.json"
+done
+if ! python3 -c "import json,sys; r=json.load(open(sys.argv[1])); w=max(v[0] for v in r['band_ratio'].values()); print('train on 1.6.0: step 0 apart by %.3g ulps' % w); sys.exit(not (w > 1e6 and min(r['first_out_of_band'].values()) == 0))" "$reports/train-1.6.0.json"; then
+    echo "FAIL: mxnet 1.6.0 shared-weight trajectories do not split at step 0"; failed=1
+fi
+if ! python3 -c "import json,sys; r=json.load(open(sys.argv[1])); w=max(max(v) for v in r['band_ratio'].values()); print('train on 1.9.1: at most %.3g ulps apart' % w); sys.exit(not w < 100)" "$reports/train-1.9.1.json"; then
+    echo "FAIL: mxnet 1.9.1 shared-weight trajectories are further apart than round-off under SGD"; failed=1
+fi
 # The figures the README and docs/ quote from these two runs.
 if ! ACCUMCHECK_MX19="$new" "$venv/bin/python" ci/figures.py --group mxnet-1.6.0; then
     echo "FAIL: the documentation's MXNet 1.6.0 figures differ from this run"; failed=1
