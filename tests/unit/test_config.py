@@ -37,8 +37,8 @@ def test_a_config_is_resolved_and_frozen():
                                                   "these operators); use --framework torch"),
     ({"framework": "mxnet", "accum_dtype": "float64"}, "--accum-dtype float64: not available with the mxnet backend "
                                                        "(it runs float32 only); use --framework torch"),
-    ({"framework": "mxnet", "mode": "compensated"}, "--mode compensated: not available with the mxnet backend"),
-    ({"framework": "mxnet", "full_batch": True}, "--full-batch: not available with the mxnet backend"),
+    ({"framework": "mxnet", "case": "conditional-branch", "full_batch": True}, "routes each micro-batch through "
+                                                                              "its conditional layers"),
     ({"framework": "mxnet", "world_size": 2}, "--world-size 2: not available with the mxnet backend"),
     ({"framework": "torch", "hybridize": False}, "--no-hybridize: an option of the mxnet backend; --framework torch "
                                                  "has no such option"),

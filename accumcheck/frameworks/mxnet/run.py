@@ -12,6 +12,8 @@ from ...backend import ParamAccumulation, Progress, RunResult
 from ...budget import TensorNeed, element_bytes, need
 from ...cases import Case
 from ...config import RunConfig
+from .accumulator import accumulator_pass
+from .fullbatch import full_batch_gap
 from .library import mx
 from .model import resolve_context
 from .passes import case_step, manual_pass, micro_steps, native_pass, prepared, set_grad_req
@@ -34,12 +36,11 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     kinds = {p.name: p.kind for p in case.parameters()}
     block = prepared(case, weights, "float32", ctx, hybridize)
     step = case_step(case, block, ctx, "float32", steps)
-    native, native_loss, _ = native_pass(block.canonical, step, steps, ctx, config.fault, progress)
+    native, native_loss, _ = _native(config, block.canonical, step, ctx, config.fault, progress)
     block = prepared(case, weights, "float32", ctx, hybridize)
     step = case_step(case, block, ctx, "float32", steps)
     manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, step, steps, ctx, progress)
-    settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize,
-                                "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
+    settings = _settings(config, hybridize)
     notes = ["hybridized" if hybridize else "imperative"]
     oracle_grads = None
     losses = {"mean_loss": native_loss, "manual_mean_loss": manual_loss}
@@ -49,13 +50,41 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
         notes.append(f"oracle {settings['oracle']}")
         if oracle_loss is not None:
             losses["oracle_mean_loss"] = oracle_loss
+    gap = None
+    if config.full_batch:
+        gap, settings["full_batch_reference"] = full_batch_gap(case, weights, steps, ctx, hybridize, config.device,
+                                                               progress)
+        notes.append(f"full batch {settings['full_batch_reference']}")
     params = [ParamAccumulation(name=name, kind=kinds[name], native=native[name], manual=manual[name],
                                 exact=exact[name], absum=absum[name],
                                 oracle=None if oracle_grads is None else oracle_grads[name])
               for name in weights]
     return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx), param_dtype="float32",
-                     accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE, losses=losses,
-                     settings=settings, notes=notes, first_logits=logits)
+                     accum_dtype="float32", native_kernel_allowance=_allowance(config), losses=losses,
+                     settings=settings, notes=notes, first_logits=logits, full_batch=gap)
+
+
+def _native(config: RunConfig, params: dict[str, Any], step: Any, ctx: Any, fault: Any, progress: Progress | None,
+            group: str = "") -> tuple[dict[str, np.ndarray], float, Any]:
+    """The native slot: grad_req='add', or (``--mode accumulator|compensated``) a GradAccumulator."""
+    where = f", {group}" if group else ""
+    if config.mode == "native":
+        return native_pass(params, step, config.accum_steps, ctx, fault, progress, phase=f"native: grad_req='add'{where}")
+    return accumulator_pass(params, step, config.accum_steps, ctx, fault, progress, config.mode == "compensated",
+                            f"{config.mode}: GradAccumulator{where}")
+
+
+def _settings(config: RunConfig, hybridize: bool) -> dict[str, Any]:
+    native = "grad_req='add'" if config.mode == "native" else (
+        f"GradAccumulator({'compensated=True' if config.mode == 'compensated' else 'plain'}): grad_req='write', "
+        "float32 buffers, the total written back into p.grad()")
+    return {"hybridize": hybridize, "static_alloc": hybridize, "native": native,
+            "manual": "grad_req='write' + acc[:] += p.grad()"}
+
+
+def _allowance(config: RunConfig) -> float:
+    # A GradAccumulator takes grad_req='write' gradients, computed as the manual pass's are.
+    return KERNEL_ALLOWANCE if config.mode == "native" else 0.0
 
 
 def tensor_needs(config: RunConfig) -> list[TensorNeed]:
@@ -76,15 +105,13 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
     hybridize = config.option("hybridize", True)
     weights = case.weights()
     kinds = {p.name: p.kind for p in case.parameters()}
-    settings: dict[str, Any] = {"hybridize": hybridize, "static_alloc": hybridize,
-                                "native": "grad_req='add'", "manual": "grad_req='write' + acc[:] += p.grad()"}
+    settings = _settings(config, hybridize)
     for index, names in enumerate(groups):
         phase = f"group {index + 1} of {len(groups)}"
         fault = config.fault if config.fault is not None and config.fault.param in names else None
         block = prepared(case, weights, "float32", ctx, hybridize)
-        native, native_loss, _ = native_pass({name: block.canonical[name] for name in names},
-                                             case_step(case, block, ctx, "float32", steps), steps, ctx, fault, progress,
-                                             phase=f"native: grad_req='add', {phase}")
+        native, native_loss, _ = _native(config, {name: block.canonical[name] for name in names},
+                                         case_step(case, block, ctx, "float32", steps), ctx, fault, progress, phase)
         block = prepared(case, weights, "float32", ctx, hybridize)
         manual, exact, absum, manual_loss, logits = manual_pass({name: block.canonical[name] for name in names},
                                                                 case_step(case, block, ctx, "float32", steps), steps,
@@ -94,7 +121,7 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
                                     exact=exact[name], absum=absum[name]) for name in names]
         del native, manual, exact, absum
         result = RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx),
-                           param_dtype="float32", accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
+                           param_dtype="float32", accum_dtype="float32", native_kernel_allowance=_allowance(config),
                            losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss}, settings=settings,
                            notes=["hybridized" if hybridize else "imperative"],
                            first_logits=logits if index == 0 else None)

@@ -70,9 +70,7 @@ def test_cli_says_which_normalisation_and_that_it_is_semantic():
     assert "--full-batch --loss-reduction mean" in result.stdout  # the reproduce line
 
 
-def test_mxnet_ignores_padding_the_same_way_and_declines_the_full_batch_check():
+def test_mxnet_ignores_padding_the_same_way():
     pytest.importorskip("mxnet")
     cross = accumcheck.compare_frameworks("padded-tokens", accum_steps=4)
     assert all(not a.flagged for a in cross.agreement)
-    with pytest.raises(accumcheck.AccumcheckError, match="--full-batch: not available with the mxnet backend"):
-        accumcheck.compare("padded-tokens", framework="mxnet", full_batch=True)

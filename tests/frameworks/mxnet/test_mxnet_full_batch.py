@@ -1,0 +1,87 @@
+"""--full-batch on MXNet: the accumulated gradient against the whole window's, both in float64 on
+MXNet, judged as PyTorch's are."""
+
+import pytest
+from conftest import run_cli
+
+import accumcheck
+from accumcheck.backend import FullBatchGap
+from accumcheck.casefile import builtin_case
+from accumcheck.cases import IGNORE_LABEL
+from accumcheck.judge import FACTOR_TOLERANCE, full_batch_verdict
+
+mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
+from accumcheck.frameworks.mxnet import fullbatch  # noqa: E402
+
+VERDICT = ("equivalent", "constant", "matches", "item_counts", "normalisation", "accumulated_scaled_by")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "token_count", "sum"])
+def test_padded_tokens_gets_the_same_full_batch_verdict_in_both_frameworks(reduction):
+    pytest.importorskip("torch")
+    ours = accumcheck.compare("padded-tokens", framework="mxnet", full_batch=True, loss_reduction=reduction)
+    theirs = accumcheck.compare("padded-tokens", framework="torch", full_batch=True, loss_reduction=reduction)
+    assert ours.exit_code == theirs.exit_code == (1 if reduction == "mean" else 0)
+    assert ours.semantic_mismatch == theirs.semantic_mismatch == (reduction == "mean")
+    assert ours.flagged == []  # numerically faithful either way
+    for field in VERDICT:
+        assert getattr(ours.full_batch, field) == getattr(theirs.full_batch, field), field
+    # The same gradients in float64 up to the kernels: MXNet's float64 GELU uses a float32-accurate erf
+    # (docs/frameworks.md), which moves the factors by ~1e-9, far below any semantic difference.
+    assert ours.full_batch.tensor_factors == pytest.approx(theirs.full_batch.tensor_factors, rel=FACTOR_TOLERANCE)
+    assert ours.full_batch.explanation.split(":")[0] == theirs.full_batch.explanation.split(":")[0]
+    assert "full batch mxnet float64" in ours.notes
+
+
+def test_a_per_micro_batch_mean_over_unequal_lengths_is_caught_as_a_weighting():
+    report = accumcheck.compare("padded-tokens", framework="mxnet", full_batch=True, loss_reduction="mean")
+    check = report.full_batch
+    assert not check.equivalent and check.max_relative_difference > 1e-3
+    case = builtin_case("padded-tokens")
+    assert check.item_counts == [int((case.batch(k).labels != IGNORE_LABEL).sum()) for k in range(8)]
+    assert not check.constant and check.matches is None and check.spread > 1e-3
+    assert check.explanation.startswith("not a constant factor: per-tensor factors ")
+
+
+def test_a_loss_summed_over_tokens_where_the_mean_is_meant_is_caught_as_the_token_count():
+    """Negative control with one constant: the accumulated gradient of a summed loss against the
+    full batch of the token mean is T times it, and the check names T."""
+    case, ctx = builtin_case("padded-tokens"), mx.cpu()
+    summed, where = fullbatch.full_batch_gap(case.with_reduction("sum"), case.weights(), 4, ctx, True, "cpu")
+    mean, _ = fullbatch.full_batch_gap(case.with_reduction("token_count"), case.weights(), 4, ctx, True, "cpu")
+    assert where == "mxnet float64"
+    check = full_batch_verdict(FullBatchGap("mean", "1", summed.accumulated, mean.full, summed.item_counts), 4)
+    assert check.constant and check.matches == "T" and check.spread < 1e-12 and check.residual < 1e-12
+    assert check.factor == pytest.approx(case.token_count(4), rel=1e-12)
+
+
+@pytest.mark.parametrize("case, steps", [("transformer-small", 4), ("embed-attention", 4), ("tiny-grads", 8),
+                                         ("shared-weight", 8)])
+def test_clean_cases_are_equivalent(case, steps):
+    """Positive control: equal lengths (or no padding) make every normalisation the full batch's."""
+    report = accumcheck.compare(case, framework="mxnet", full_batch=True, accum_steps=steps)
+    assert report.exit_code == 0 and report.full_batch.equivalent
+    assert report.full_batch.max_relative_difference < 1e-12
+
+
+def test_without_a_float64_kernel_pytorch_computes_it_and_the_report_says_so(monkeypatch):
+    pytest.importorskip("torch")
+
+    def no_kernel(*args, **kwargs):
+        raise mx.base.MXNetError("Operator FullyConnected has no float64 kernel here\nmore")
+
+    monkeypatch.setattr(fullbatch, "_on_mxnet", no_kernel)
+    report = accumcheck.compare("padded-tokens", framework="mxnet", full_batch=True, loss_reduction="token_count")
+    assert report.exit_code == 0 and report.full_batch.equivalent
+    note = "full batch torch float64 (MXNet float64 failed: Operator FullyConnected has no float64 kernel here)"
+    assert note in report.notes
+
+
+def test_cli_judges_mxnet_full_batch_and_refuses_a_conditional_case():
+    result = run_cli("compare", "--framework", "mxnet", "--case", "padded-tokens", "--full-batch",
+                     "--accum-steps", "4")
+    assert result.returncode == 1
+    assert "full batch: loss 'mean'" in result.stdout and "SEMANTIC MISMATCH" in result.stdout
+    assert "--framework mxnet" in result.stdout and "--full-batch --loss-reduction mean" in result.stdout
+    refused = run_cli("compare", "--framework", "mxnet", "--case", "conditional-branch", "--full-batch")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
