@@ -152,9 +152,10 @@ class GradMonitor:
     logged every ``log_every`` steps, or every step while a window opened by ``enable`` lasts;
     they reach the writer in batches: once ``WRITE_EVERY`` steps wait or the oldest is
     ``log_every`` (at least ``WRITE_EVERY``) steps old, at once after a dominance report, and
-    at ``flush()``/``close()``. A step whose clipping scale falls below ``clip_threshold``, or whose gradient norm is not finite, gets a dominance
-    report of ``top_k`` parameters, logged as a warning and kept in ``reports``. ``ctx``: the
-    context whose gradients to clip, for parameters on several contexts.
+    at ``flush()``/``close()``. A step whose clipping scale falls below ``clip_threshold``, or
+    whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
+    as a warning and kept in ``reports``. ``ctx``: the context whose gradients to clip, for
+    parameters on several contexts.
     """
 
     TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
