@@ -35,8 +35,6 @@ def test_a_config_is_resolved_and_frozen():
     ({"framework": "mxnet", "dtype": "bfloat16"}, "--dtype bfloat16: not available with the mxnet backend (it runs "
                                                   "float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for "
                                                   "these operators); use --framework torch"),
-    ({"framework": "mxnet", "accum_dtype": "float64"}, "--accum-dtype float64: not available with the mxnet backend "
-                                                       "(it runs float32 only); use --framework torch"),
     ({"framework": "mxnet", "case": "conditional-branch", "full_batch": True}, "routes each micro-batch through "
                                                                               "its conditional layers"),
     ({"framework": "mxnet", "world_size": 2}, "--world-size 2: not available with the mxnet backend"),

@@ -10,7 +10,7 @@ import numpy as np
 from ...backend import Backend, Capabilities, Progress, RunResult
 from ...budget import TensorNeed
 from ...config import RunConfig
-from ...options import MODES, Option
+from ...options import ACCUM_DTYPES, MODES, Option
 
 HYBRIDIZE = Option("hybridize", "hybridize", "MXNet: hybridize(static_alloc=True) the Gluon block (default: on)",
                    switch=True)
@@ -22,9 +22,8 @@ class MXNetBackend(Backend):
     preference = 1
     install = "pip install 'accumcheck[mxnet]'"
     capabilities = Capabilities(
-        accum_dtypes=("float32",), modes=MODES, full_batch=True, options=(HYBRIDIZE,), replay=True, memory_budget=True,
+        accum_dtypes=ACCUM_DTYPES, modes=MODES, full_batch=True, options=(HYBRIDIZE,), replay=True, memory_budget=True,
         why_not={"dtype": "it runs float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for these operators",
-                 "accum_dtype": "it runs float32 only",
                  "world_size": "no data-parallel mode: data-parallel runs use torch.distributed"})
 
     def has_device(self, kind: str) -> bool:

@@ -39,7 +39,8 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     native, native_loss, _ = _native(config, block.canonical, step, ctx, config.fault, progress)
     block = prepared(case, weights, "float32", ctx, hybridize)
     step = case_step(case, block, ctx, "float32", steps)
-    manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, step, steps, ctx, progress)
+    manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, step, steps, ctx, progress,
+                                                            accum_dtype=config.accum_dtype)
     settings = _settings(config, hybridize)
     notes = ["hybridized" if hybridize else "imperative"]
     oracle_grads = None
@@ -60,7 +61,7 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
                                 oracle=None if oracle_grads is None else oracle_grads[name])
               for name in weights]
     return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx), param_dtype="float32",
-                     accum_dtype="float32", native_kernel_allowance=_allowance(config), losses=losses,
+                     accum_dtype=config.accum_dtype, native_kernel_allowance=_allowance(config), losses=losses,
                      settings=settings, notes=notes, first_logits=logits, full_batch=gap)
 
 
@@ -92,8 +93,9 @@ def tensor_needs(config: RunConfig) -> list[TensorNeed]:
     native pass's gradient on the host; the manual pass's buffer, E and S, and the micro-step's
     gradient copied on MXNet's engine and read on the host (one tensor at a time); on a GPU the
     host copies of the buffer, E and S."""
-    host = 4 + (20 if config.device != "cpu" else 0)
-    return [need(p.name, p.numel, element_bytes(4, 4, 4, host)) for p in config.case.parameters()]
+    accum = 8 if config.accum_dtype == "float64" else 4
+    host = 4 + (accum + 16 if config.device != "cpu" else 0)
+    return [need(p.name, p.numel, element_bytes(4, accum, 4, host)) for p in config.case.parameters()]
 
 
 def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, str],
@@ -115,13 +117,14 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
         block = prepared(case, weights, "float32", ctx, hybridize)
         manual, exact, absum, manual_loss, logits = manual_pass({name: block.canonical[name] for name in names},
                                                                 case_step(case, block, ctx, "float32", steps), steps,
-                                                                ctx, progress)
+                                                                ctx, progress, accum_dtype=config.accum_dtype)
         del block
         params = [ParamAccumulation(name=name, kind=kinds[name], native=native[name], manual=manual[name],
                                     exact=exact[name], absum=absum[name]) for name in names]
         del native, manual, exact, absum
         result = RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx),
-                           param_dtype="float32", accum_dtype="float32", native_kernel_allowance=_allowance(config),
+                           param_dtype="float32", accum_dtype=config.accum_dtype,
+                           native_kernel_allowance=_allowance(config),
                            losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss}, settings=settings,
                            notes=["hybridized" if hybridize else "imperative"],
                            first_logits=logits if index == 0 else None)
