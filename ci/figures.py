@@ -391,6 +391,14 @@ def mxnet_train_figures() -> dict[str, str]:
     figures["mxnet.train.sgd"] = "half an ulp" if sgd_worst <= 0.5 else f"{sig(sgd_worst, 2)} ulps"
     figures["mxnet.train.shared"] = (f"leaves it at step {min(shared.first_out_of_band.values())}"
                                      if shared.first_out_of_band else "stays within it")
+    plain = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16")
+    master = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16", multi_precision=True)
+    fixed = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16", mode="compensated")
+    figures["mxnet.fp16.flagged"] = f"{len(plain.flagged)} of {len(plain.tensors)}"
+    figures["mxnet.fp16.ulps"] = times_ten(max(t.err_ulps_native for t in plain.flagged))
+    same = [(t.name, t.verdict) for t in master.tensors] == [(t.name, t.verdict) for t in plain.tensors]
+    figures["mxnet.fp16.master"] = "the same verdicts" if same else "other verdicts"
+    figures["mxnet.fp16.compensated"] = f"exit code {fixed.exit_code}"
     # the same SGD run as mxnet.160.train, on a release without apache/mxnet#16708
     split = accumcheck.train("shared-weight", framework="mxnet", steps=5, optimizer="sgd", lr=1e-2)
     figures["mxnet.train.shared-sgd"] = f"{sig(max(v[0] for v in split.band_ratio.values()), 2)} ulps"

@@ -142,5 +142,8 @@ def accumulator_pass(params: dict[str, Any], step: StepFn, accum_steps: int, ctx
         if progress is not None:
             progress(phase, index + 1, accum_steps)
     acc.apply()
-    grads = {name: p.grad().asnumpy() for name, p in params.items()}
+    # Read back from p.grad(), which holds the totals exactly where the parameters are float32; a
+    # float16 parameter's gradient would round them, so its total is read from the buffer.
+    grads = {name: (p.grad() if np.dtype(p.dtype).name == acc.dtype else total).asnumpy()
+             for (name, p), total in zip(params.items(), acc.totals())}
     return grads, float(losses[1].asscalar()) / accum_steps, losses[0]

@@ -10,10 +10,15 @@ import numpy as np
 from ...backend import Backend, Capabilities, Progress, RunResult
 from ...budget import TensorNeed
 from ...config import RunConfig
+from ...errors import AccumcheckError
 from ...options import ACCUM_DTYPES, MODES, Option
+from ...report import TrajectoryReport
 
 HYBRIDIZE = Option("hybridize", "hybridize", "MXNet: hybridize(static_alloc=True) the Gluon block (default: on)",
                    switch=True)
+MULTI_PRECISION = Option("multi_precision", "multi-precision",
+                         "MXNet, float16: the optimizer keeps float32 master weights (multi_precision=True)",
+                         default=False, switch=True)
 
 
 class MXNetBackend(Backend):
@@ -22,8 +27,10 @@ class MXNetBackend(Backend):
     preference = 1
     install = "pip install 'accumcheck[mxnet]'"
     capabilities = Capabilities(
-        accum_dtypes=ACCUM_DTYPES, modes=MODES, full_batch=True, options=(HYBRIDIZE,), replay=True, memory_budget=True,
-        why_not={"dtype": "it runs float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for these operators",
+        dtypes=("float32", "float16"), accum_dtypes=ACCUM_DTYPES, modes=MODES, full_batch=True,
+        options=(HYBRIDIZE, MULTI_PRECISION), replay=True, memory_budget=True, trajectory=True,
+        trajectory_dtypes=("float32", "float16"),
+        why_not={"dtype": "it runs float32 and float16: MXNet 1.x has no bfloat16 kernels for these operators",
                  "world_size": "no data-parallel mode: data-parallel runs use torch.distributed"})
 
     def has_device(self, kind: str) -> bool:
@@ -45,6 +52,7 @@ class MXNetBackend(Backend):
             weights: dict[str, np.ndarray] | None = None) -> RunResult:
         from .run import run
 
+        _check_multi_precision(config)
         return run(config, self.versions(), progress, weights)
 
     def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
@@ -56,6 +64,7 @@ class MXNetBackend(Backend):
                    ) -> Iterator[RunResult]:
         from .run import run_groups
 
+        _check_multi_precision(config)
         return run_groups(config, groups, self.versions(), progress)
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
@@ -64,8 +73,21 @@ class MXNetBackend(Backend):
 
         return micro_gradients(config, names, progress, weights)
 
+    def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
+              progress: Progress | None = None) -> TrajectoryReport:
+        from .train import train
+
+        _check_multi_precision(config)
+        return train(config, steps, optimizer, lr, self.versions(), progress)
+
     def repro_source(self, config: RunConfig, report: Any, script_name: str = "repro.py",
                      data_name: str = "repro.npz", shrunk_from: str | None = None) -> str:
         from .repro import repro_source
 
         return repro_source(config, report, script_name, data_name, shrunk_from)
+
+
+def _check_multi_precision(config: RunConfig) -> None:
+    if config.option("multi_precision", False) and config.dtype != "float16":
+        raise AccumcheckError(f"--multi-precision: {config.dtype} parameters need no float32 master weights; "
+                              "give --dtype float16 or drop --multi-precision")

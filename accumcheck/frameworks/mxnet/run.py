@@ -15,7 +15,7 @@ from ...config import RunConfig
 from .accumulator import accumulator_pass
 from .fullbatch import full_batch_gap
 from .library import mx
-from .model import resolve_context
+from .model import float16_on_cpu, resolve_context
 from .passes import case_step, manual_pass, micro_steps, native_pass, prepared, set_grad_req
 
 # With grad_req='add' MXNet's backward kernels write into the gradient with kAddTo: the embedding
@@ -34,11 +34,12 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     hybridize = config.option("hybridize", True)
     weights = case.weights() if weights is None else weights
     kinds = {p.name: p.kind for p in case.parameters()}
-    block = prepared(case, weights, "float32", ctx, hybridize)
-    step = case_step(case, block, ctx, "float32", steps)
+    dtype = config.dtype
+    block = prepared(case, weights, dtype, ctx, hybridize)
+    step = case_step(case, block, ctx, dtype, steps)
     native, native_loss, _ = _native(config, block.canonical, step, ctx, config.fault, progress)
-    block = prepared(case, weights, "float32", ctx, hybridize)
-    step = case_step(case, block, ctx, "float32", steps)
+    block = prepared(case, weights, dtype, ctx, hybridize)
+    step = case_step(case, block, ctx, dtype, steps)
     manual, exact, absum, manual_loss, logits = manual_pass(block.canonical, step, steps, ctx, progress,
                                                             accum_dtype=config.accum_dtype)
     settings = _settings(config, hybridize)
@@ -60,9 +61,10 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
                                 exact=exact[name], absum=absum[name],
                                 oracle=None if oracle_grads is None else oracle_grads[name])
               for name in weights]
-    return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx), param_dtype="float32",
-                     accum_dtype=config.accum_dtype, native_kernel_allowance=_allowance(config), losses=losses,
-                     settings=settings, notes=notes, first_logits=logits, full_batch=gap)
+    return RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx),
+                     param_dtype=_param_dtype(config), accum_dtype=config.accum_dtype,
+                     native_kernel_allowance=_allowance(config), losses=losses, settings=settings,
+                     notes=notes + _dtype_notes(config, ctx), first_logits=logits, full_batch=gap)
 
 
 def _native(config: RunConfig, params: dict[str, Any], step: Any, ctx: Any, fault: Any, progress: Progress | None,
@@ -70,9 +72,31 @@ def _native(config: RunConfig, params: dict[str, Any], step: Any, ctx: Any, faul
     """The native slot: grad_req='add', or (``--mode accumulator|compensated``) a GradAccumulator."""
     where = f", {group}" if group else ""
     if config.mode == "native":
-        return native_pass(params, step, config.accum_steps, ctx, fault, progress, phase=f"native: grad_req='add'{where}")
+        grads, loss, first = native_pass(params, step, config.accum_steps, ctx, fault, progress,
+                                         phase=f"native: grad_req='add'{where}")
+        return {name: _float32(g) for name, g in grads.items()}, loss, first
     return accumulator_pass(params, step, config.accum_steps, ctx, fault, progress, config.mode == "compensated",
                             f"{config.mode}: GradAccumulator{where}")
+
+
+def _float32(values: np.ndarray) -> np.ndarray:
+    """float16 gradients as float32 (exactly), the judge's smallest float."""
+    return values.astype(np.float32) if values.dtype == np.float16 else values
+
+
+def _param_dtype(config: RunConfig) -> str:
+    return config.dtype if config.mode == "native" else "float32"  # a GradAccumulator sums in float32
+
+
+def _dtype_notes(config: RunConfig, ctx: Any) -> list[str]:
+    notes = []
+    if float16_on_cpu(config.dtype, ctx):
+        notes.append("float16 parameters computed in float32 on the CPU (MXNet 1.x has no float16 FullyConnected "
+                     "there); their gradients are float16")
+    if config.option("multi_precision", False):
+        notes.append("multi_precision gives the optimizer float32 master weights; grad_req='add' still sums the "
+                     "float16 gradients in float16")
+    return notes
 
 
 def _settings(config: RunConfig, hybridize: bool) -> dict[str, Any]:
@@ -111,22 +135,22 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
     for index, names in enumerate(groups):
         phase = f"group {index + 1} of {len(groups)}"
         fault = config.fault if config.fault is not None and config.fault.param in names else None
-        block = prepared(case, weights, "float32", ctx, hybridize)
+        block = prepared(case, weights, config.dtype, ctx, hybridize)
         native, native_loss, _ = _native(config, {name: block.canonical[name] for name in names},
-                                         case_step(case, block, ctx, "float32", steps), ctx, fault, progress, phase)
-        block = prepared(case, weights, "float32", ctx, hybridize)
+                                         case_step(case, block, ctx, config.dtype, steps), ctx, fault, progress, phase)
+        block = prepared(case, weights, config.dtype, ctx, hybridize)
         manual, exact, absum, manual_loss, logits = manual_pass({name: block.canonical[name] for name in names},
-                                                                case_step(case, block, ctx, "float32", steps), steps,
+                                                                case_step(case, block, ctx, config.dtype, steps), steps,
                                                                 ctx, progress, accum_dtype=config.accum_dtype)
         del block
         params = [ParamAccumulation(name=name, kind=kinds[name], native=native[name], manual=manual[name],
                                     exact=exact[name], absum=absum[name]) for name in names]
         del native, manual, exact, absum
         result = RunResult(params=params, framework="mxnet", versions=versions, device=str(ctx),
-                           param_dtype="float32", accum_dtype=config.accum_dtype,
+                           param_dtype=_param_dtype(config), accum_dtype=config.accum_dtype,
                            native_kernel_allowance=_allowance(config),
                            losses={"mean_loss": native_loss, "manual_mean_loss": manual_loss}, settings=settings,
-                           notes=["hybridized" if hybridize else "imperative"],
+                           notes=["hybridized" if hybridize else "imperative"] + _dtype_notes(config, ctx),
                            first_logits=logits if index == 0 else None)
         del params, logits
         yield result
@@ -139,12 +163,12 @@ def micro_gradients(config: RunConfig, names: list[str], progress: Progress | No
     a fresh block from the same weights, grad_req='write', as ``manual_pass`` reads them."""
     case, steps = config.case, config.accum_steps
     ctx = resolve_context(config.device)
-    block = prepared(case, case.weights() if weights is None else weights, "float32", ctx,
+    block = prepared(case, case.weights() if weights is None else weights, config.dtype, ctx,
                      config.option("hybridize", True))
     params = block.canonical
     set_grad_req(params, {}, "write", None)
-    for index, _ in micro_steps(case_step(case, block, ctx, "float32", steps), steps, []):
-        yield {name: params[name].grad().asnumpy() for name in names}
+    for index, _ in micro_steps(case_step(case, block, ctx, config.dtype, steps), steps, []):
+        yield {name: _float32(params[name].grad().asnumpy()) for name in names}
         if progress is not None:
             progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
 
