@@ -118,24 +118,9 @@ class Trainer:
 def rounds(reps: int, steps: int, chunk: int, device: str = "cpu") -> dict[str, list[float]]:
     """Each variant's time for ``steps`` steps in each of ``reps`` rounds, the variants taking
     turns every ``chunk`` steps."""
-    trainers = {v: Trainer(v, device) for v in VARIANTS}
-    try:
-        for trainer in trainers.values():
-            trainer.steps(3, flush=True)  # warm up
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        chunks = [chunk] * (steps // chunk) + ([steps % chunk] if steps % chunk else [])
-        for round_ in range(reps):
-            spent = dict.fromkeys(VARIANTS, 0.0)
-            for c, n in enumerate(chunks):
-                for k in range(len(VARIANTS)):
-                    variant = VARIANTS[(round_ + c + k) % len(VARIANTS)]
-                    spent[variant] += trainers[variant].steps(n, flush=c == len(chunks) - 1)
-            for v in VARIANTS:
-                times[v].append(spent[v])
-        return times
-    finally:
-        for trainer in trainers.values():
-            trainer.close()
+    from interleaved import rounds as interleaved  # benchmarks/ is the script's folder
+
+    return interleaved({v: Trainer(v, device) for v in VARIANTS}, reps, steps, chunk)
 
 
 def model_figures() -> dict:
