@@ -7,8 +7,8 @@ import pytest
 from accumcheck.registry import get_backend
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mxnet.md"
-# table row -> the Capabilities field it shows (--dtype and train are the trajectory pages' to say)
-ROWS = {"`--accum-dtype`": "accum_dtypes", "`--mode`": "modes", "`--oracle`": "oracle",
+# table row -> the Capabilities field it shows (train's row is docs/trajectory.md's to say)
+ROWS = {"`--dtype`": "dtypes", "`--accum-dtype`": "accum_dtypes", "`--mode`": "modes", "`--oracle`": "oracle",
         "`--full-batch`": "full_batch", "`--memory-budget`": "memory_budget", "`--world-size`": "data_parallel"}
 
 

@@ -26,6 +26,7 @@ from ...cases import infer_kind
 from ...errors import AccumcheckError
 from ...faults import Fault, parse_fault, resolve_fault
 from ...judge import build_report
+from ...options import MODES
 from ...report import Report
 from ...resources import check_resources, estimate_model
 from ...usermodel import (
@@ -38,6 +39,7 @@ from ...usermodel import (
     own_loss,
     split_batch,
 )
+from .accumulator import accumulator_pass
 from .blockstate import (
     AuxState,
     clear_cached_ops,
@@ -62,8 +64,8 @@ StepFunction = Callable[[Any, Batch], Any]
 
 def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
           accum_steps: int | None = None, ctx: Any = None, inject: str | None = None,
-          progress: Progress | None = None, *, step: StepFunction | None = None, train_mode: bool = False,
-          full_batch: bool = False, force: bool = False) -> Report:
+          progress: Progress | None = None, *, step: StepFunction | None = None, mode: str = "native",
+          train_mode: bool = False, full_batch: bool = False, force: bool = False) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``block`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
@@ -74,7 +76,9 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     Inputs are passed as ``block(x)``, ``block(*tuple)``, or a dict by the names of the block's
     forward parameters; NDArrays and numpy arrays are moved to ``ctx`` (default: the parameters'
     first context). ``step(block, batch)``
-    instead computes the loss itself. ``train_mode`` records with BatchNorm on batch statistics
+    instead computes the loss itself. ``mode`` fills the native slot with ``grad_req='add'``
+    ("native") or ``accumcheck.mxnet.GradAccumulator`` ("accumulator", "compensated": float32
+    buffers fed by ``grad_req='write'``, the totals written back into the gradients). ``train_mode`` records with BatchNorm on batch statistics
     (Dropout stays off). ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the
     native accumulation to prove the check fires. A check that would need more memory beside the
     block than is available is refused unless ``force``. Returns a Report; raises AccumcheckError
@@ -82,6 +86,8 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     """
     started = time.perf_counter()
     _check_arguments(block, loss_fn, batches, step, full_batch)
+    if mode not in MODES:
+        raise AccumcheckError(f"check: mode must be one of {', '.join(MODES)}, got {mode!r}")
     fault = parse_fault(inject) if inject is not None else None
     everything, aliases = unique_params(block)
     _check_initialised(everything)
@@ -106,11 +112,11 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         check_resources(estimate_model(sum(int(np.prod(p.shape)) for p in params.values()), False), "check",
                         force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
-        grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode)
-        settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode}
-        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings)
+        grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
+        settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
+        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode)
         loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
-        options = {"inject": inject, "train_mode": train_mode or None}
+        options = {"inject": inject, "train_mode": train_mode or None, "mode": None if mode == "native" else mode}
         # Judged while deferred parameters are still initialised: the second pass runs the block again.
         return build_report(None, run, steps, fault, False, time.perf_counter() - started,
                             config={"model": type(block).__name__, "loss": loss,
@@ -204,13 +210,17 @@ def on_context(value: Any, ctx: Any) -> Any:
 
 
 def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int, ctx: Any,
-            fault: Fault | None, progress: Progress | None, train_mode: bool) -> dict[str, Any]:
+            fault: Fault | None, progress: Progress | None, train_mode: bool, mode: str = "native") -> dict[str, Any]:
     """Both passes, each from the auxiliary state as found; the block as found afterwards."""
     refresh = partial(clear_cached_ops, block)
     counts: dict[str, int] = {}
     with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
         try:
-            native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
+            if mode == "native":
+                native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
+            else:
+                native, native_loss, _ = accumulator_pass(params, micro, steps, ctx, fault, progress,
+                                                          mode == "compensated", f"{mode}: GradAccumulator", refresh)
             aux.restore()
             manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
                                                                counts=counts)
@@ -221,8 +231,10 @@ def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
 
 
 def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str, tuple[str, ...]],
-                grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any]) -> RunResult:
-    param_dtype = np.dtype(next(iter(params.values())).dtype).name
+                grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any],
+                mode: str = "native") -> RunResult:
+    # A GradAccumulator sums in float32 from grad_req='write' gradients: the manual pass's rounding.
+    param_dtype = np.dtype(next(iter(params.values())).dtype).name if mode == "native" else "float32"
     accumulations = []
     for name, p in params.items():
         dtype, count = np.dtype(p.dtype).name, grads["counts"][name]
@@ -231,7 +243,8 @@ def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str
             grads["absum"][name], dtype=None if dtype == param_dtype else dtype, aliases=aliases.get(name, ()),
             steps_with_grad=count if count < steps else None))
     return RunResult(params=accumulations, framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
-                     param_dtype=param_dtype, accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE,
+                     param_dtype=param_dtype, accum_dtype="float32",
+                     native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
                      losses=grads["losses"], settings=settings, notes=notes)
 
 

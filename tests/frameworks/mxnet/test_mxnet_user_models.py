@@ -480,3 +480,27 @@ def test_the_reproduce_line_names_the_step_and_a_check_that_cannot_fit_is_refuse
     with pytest.raises(accumcheck.AccumcheckError, match=r"needs about .* beside the model \(15 parameters\)"):
         accumcheck.mxnet.check(net, loss, batches)
     assert accumcheck.mxnet.check(net, loss, batches, force=True).exit_code == 0
+
+
+# ------------------------------------------------------------------------------- mode: GradAccumulator
+
+
+@HYBRIDIZE
+def test_a_grad_accumulator_in_the_native_slot(tokens, hybridize):
+    """mode="compensated": within half a float32 ulp of E; a fault on its buffer is caught; the
+    block is left as found."""
+    net = _language_model(hybridize)
+    before = _state(net)
+    report = accumcheck.mxnet.check(net, SOFTMAX, tokens, accum_steps=N, mode="compensated")
+    assert report.exit_code == 0 and report.config["mode"] == "compensated"
+    assert max(t.err_ulps_native for t in report.tensors) <= 0.5
+    _assert_same_state(before, _state(net))
+    faulty = accumcheck.mxnet.check(net, SOFTMAX, tokens, accum_steps=N, mode="accumulator",
+                                    inject="drop-step:lm_lstm0_l1_h2h_weight")
+    assert _flagged(faulty) == ["lm_lstm0_l1_h2h_weight"]
+
+
+def test_an_unknown_mode_is_one_line(tokens):
+    with pytest.raises(accumcheck.AccumcheckError, match="check: mode must be one of native, accumulator, "
+                                                         "compensated, got 'kahan'"):
+        accumcheck.mxnet.check(_language_model(), SOFTMAX, tokens, mode="kahan")
