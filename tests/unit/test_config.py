@@ -33,7 +33,7 @@ def test_a_config_is_resolved_and_frozen():
 
 @pytest.mark.parametrize("options, message", [
     ({"framework": "mxnet", "dtype": "bfloat16"}, "--dtype bfloat16: not available with the mxnet backend (it runs "
-                                                  "float32 only: MXNet 1.x has no bfloat16 kernels on the CPU for "
+                                                  "float32 and float16: MXNet 1.x has no bfloat16 kernels for "
                                                   "these operators); use --framework torch"),
     ({"framework": "mxnet", "case": "conditional-branch", "full_batch": True}, "routes each micro-batch through "
                                                                               "its conditional layers"),
