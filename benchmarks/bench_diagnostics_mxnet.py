@@ -183,14 +183,15 @@ def figures(result: dict) -> dict[str, str]:
     """The text docs/diagnostics.md and the README quote from a run (the JSON this script
     writes), by name: ``command``, ``machine``, ``model``, ``plain-step`` (a step's time with
     plain clipping), ``steps`` (a variant's steps in a round, and its turns), ``table`` and
-    ``readme`` (every-100's ratio)."""
+    ``readme`` (every-100's and every-step's ratios)."""
     model, v = result["model"], result["variants"]
     return {"command": command(result), "machine": where(result),
             "model": f"{model['blocks']} blocks, {model['parameter_tensors']} parameter tensors, "
                      f"{model['values'] / 1000:.0f}k values",
             "plain-step": f"{v['plain']['ms_per_step']:.1f} ms",
             "steps": f"{result['steps']} steps, in turns of {result['chunk']}", "table": table(result),
-            "readme": f"{v['every-100']['ratio']:.3f}× one with Gluon's clipping"}
+            "readme": f"{v['every-100']['ratio']:.2f}× Gluon's clipping, logging every 100 steps; "
+                      f"{v['every-step']['ratio']:.2f}× every step"}
 
 
 def main() -> int:
