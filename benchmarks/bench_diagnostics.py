@@ -146,13 +146,6 @@ def machine(device: str) -> dict:
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device) if device != "cpu" else None}
 
 
-def load() -> float | None:
-    """The 1-minute load average (None where the system has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
 
 # ----------------------------------------------------------------------------- the docs' text
 
@@ -223,6 +216,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", default=str(RESULT),
                         help="where to write the figures as JSON (default: benchmarks/results/bench_diagnostics.json)")
     args = parser.parse_args()
+    from machine_info import load  # benchmarks/ is the script's folder
+
     before = load()
     times = rounds(args.reps, args.steps, args.chunk, args.device)
     after = load()

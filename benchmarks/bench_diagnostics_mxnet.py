@@ -136,12 +136,6 @@ def machine() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mxnet": mx.__version__}
 
 
-def load() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
 
 # ----------------------------------------------------------------------------- the docs' text
 
@@ -202,6 +196,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", default=str(RESULT),
                         help="where to write the figures as JSON (default: %(default)s)")
     args = parser.parse_args()
+    from machine_info import load  # benchmarks/ is the script's folder
+
     before = load()
     times = rounds(args.reps, args.steps, args.chunk)
     after = load()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def cpu_model() -> str:
     try:
@@ -20,3 +22,11 @@ def cpu_family(model: str) -> str:
             break
         words.append(word)
     return " ".join(words) or model
+
+
+def load() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
