@@ -142,17 +142,24 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
               params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``.
     ``params``: the parameters to record (a memory budget's group of them, which holds no
-    micro-gradient beyond its step; default all)."""
+    micro-gradient beyond its step; default all). The result also holds "first_logits": the
+    model's output for micro-batch 0 (to compare forward passes across frameworks)."""
     dtype = next(model.parameters()).dtype
     total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
+    first: list[Any] = []
 
     def step_loss(step: int) -> Any:
         batch = case.batch(step)
         labels = torch.from_numpy(batch.labels).to(dev)
-        return case_loss(case, model(to_inputs(batch.inputs, dev, dtype), batch.index), labels, total)
+        logits = model(to_inputs(batch.inputs, dev, dtype), batch.index)
+        if step == 0:
+            first.append(logits.detach())
+        return case_loss(case, logits, labels, total)
 
-    return accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
-                      accum_dtype, mode, hold_steps=params is None)
+    result = accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
+                        accum_dtype, mode, hold_steps=params is None)
+    result["first_logits"] = first[0] if first else None
+    return result
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,

@@ -32,7 +32,7 @@ def run_single(config: RunConfig, versions: dict[str, str], progress: Progress |
         if config.oracle:
             model64 = build_model(case, weights, torch.float64, dev)
             exact_oracle = case_sums(case, model64, config.accum_steps, dev, None, progress, "float64 oracle")
-        logits = _first_logits(case, model, dev, dtype)
+        logits = to_numpy(sums["first_logits"])
         params = []
         for name in model.canonical:
             manual, exact, absum = sums["buffers"][name]
@@ -65,13 +65,6 @@ def _result(config: RunConfig, params: list[ParamAccumulation], versions: dict[s
                      losses=losses, settings=settings, first_logits=logits, full_batch=gap)
 
 
-def _first_logits(case: Case, model: Any, dev: Any, dtype: Any) -> np.ndarray:
-    """Micro-batch 0's logits (to compare forward passes across frameworks)."""
-    with torch.no_grad():
-        batch = case.batch(0)
-        return to_numpy(model(to_inputs(batch.inputs, dev, dtype), batch.index))
-
-
 def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, str],
                progress: Progress | None = None) -> Iterator[RunResult]:
     """``run_single`` once per group of tensors (``Backend.run_groups``): one model, its ``.grad``
@@ -94,7 +87,7 @@ def run_groups(config: RunConfig, groups: list[list[str]], versions: dict[str, s
             params = [ParamAccumulation(name=name, kind=kinds[name], **arrays(sums["native"][name], *sums["buffers"][name]))
                       for name in names]
             result = _result(config, params, versions, dev, {"mean_loss": sums["loss"]}, settings,
-                             _first_logits(case, model, dev, dtype) if index == 0 else None)
+                             to_numpy(sums["first_logits"]) if index == 0 else None)
             del sums, params, group
         yield result
         del result  # before the next group runs
