@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,6 +38,7 @@ from torch.utils._foreach_utils import (
 
 from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
 from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
+from ...diagnostics.tensorboard import ScalarWriter
 from ...errors import AccumcheckError
 from ...options import positive_float, positive_int
 
@@ -132,11 +134,12 @@ class GradMonitor:
     ``source``: a Module, (name, parameter) pairs, plain parameters or param groups. ``layers``:
     which layers to log ("all", indices over the repeated blocks, or name globs; default
     0,1,n//2,-2,-1). ``writer``: anything with ``add_scalar(tag, value, step)`` (a TensorBoard
-    SummaryWriter, which gets each step's scalars as one event). Statistics of the gradients
-    before clipping are logged every ``log_every`` steps, or every step while a window opened by
-    ``enable`` lasts. They reach the writer in batches: once the oldest waiting step is
-    ``WRITE_EVERY`` steps old, at once after a dominance report, and at ``flush()`` (call it
-    before closing the writer). A step whose clipping scale falls below ``clip_threshold``, or
+    SummaryWriter, which gets each step's scalars as one event), or a log directory (the monitor
+    then makes a TensorBoard writer there and closes it in ``close()``). Statistics of the
+    gradients before clipping are logged every ``log_every`` steps, or every step while a window
+    opened by ``enable`` lasts. They reach the writer in batches: once the oldest waiting step is
+    ``WRITE_EVERY`` steps old, at once after a dominance report, and at ``flush()``/``close()``
+    (call one before closing a writer of your own; ``with GradMonitor(...) as monitor:`` closes). A step whose clipping scale falls below ``clip_threshold``, or
     whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
     as a warning and kept in ``reports``.
     """
@@ -154,7 +157,9 @@ class GradMonitor:
         groups, _ = layer_groups(self.names)
         self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
         self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
-        self.writer, self.log_every, self.clip_threshold = writer, log_every, clip_threshold
+        self._owns_writer = isinstance(writer, (str, os.PathLike))
+        self.writer = ScalarWriter(os.fspath(writer)) if self._owns_writer else writer
+        self.log_every, self.clip_threshold = log_every, clip_threshold
         self.top_k, self.logger = top_k, logger
         self.step = 0
         self.window_end = -1
@@ -218,6 +223,19 @@ class GradMonitor:
         if self.writer is not None and hasattr(self.writer, "flush"):
             self.writer.flush()
         return self.reports
+
+    def close(self) -> list[DominanceReport]:
+        """``flush()``, then close the writer if the monitor made it (from a log directory)."""
+        reports = self.flush()
+        if self._owns_writer:
+            self.writer.close()
+        return reports
+
+    def __enter__(self) -> GradMonitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # -------------------------------------------------------------- statistics
 
@@ -329,6 +347,9 @@ def write_scalars(writer: Any, step: int, tags: Sequence[str], values: Sequence[
     """``writer.add_scalar(tag, value, step)`` for each tag, in effect. PyTorch's own SummaryWriter
     (not a subclass that may do more in add_scalar) gets them as one event with one value per tag,
     the summary add_scalar would make for each: add_scalar costs tens of microseconds in Python."""
+    if isinstance(writer, ScalarWriter):
+        writer.add_step(step, tags, values)
+        return
     file_writer = _plain_summary_writer(writer)
     if file_writer is None:
         for tag, value in zip(tags, values):

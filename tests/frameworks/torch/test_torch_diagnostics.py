@@ -142,6 +142,23 @@ def test_event_files_hold_the_layer_statistics(tmp_path):
         assert events.Scalars("grad_max/layers.0")[step // 2].value == pytest.approx(high, rel=1e-6)
 
 
+def test_a_log_directory_gets_every_step_when_the_monitor_closes(tmp_path):
+    """writer= a folder: the monitor makes the writer, and close() (here the with-block's end)
+    writes the steps still waiting in a batch, then closes it; nothing is lost."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = Blocks(6)
+    with GradMonitor(model, writer=tmp_path / "runs", log_every=1) as monitor:
+        for step in range(7):  # fewer than WRITE_EVERY: all of them wait for close()
+            model.zero_grad()
+            backward(model, seed=step)
+            monitor.clip_grad_norm_(1e9)
+    assert monitor.writer is not None and monitor._owns_writer
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("grad_norm/layers.0")] == list(range(7))
+
+
 def test_on_demand_window_logs_every_step(tmp_path):
     class Recorder:
         def __init__(self):
