@@ -40,7 +40,7 @@ def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: di
     weights = case.weights()
     rescale = n if case.loss_reduction == "mean" else 1
     settings = {"trainer": f"gluon.Trainer(params, {optimizer!r}, {{'learning_rate': {lr:g}"
-                           f"{', multi_precision: True' if multi_precision else ''}}})",
+                           f"{', ' + repr('multi_precision') + ': True' if multi_precision else ''}}})",
                 "optimizer step": f"trainer.step({rescale})",
                 "native": "grad_req='add', zero_grad() before each window",
                 "manual": "grad_req='write', acc[:] += p.grad(), p.grad()[:] = acc before trainer.step()",
