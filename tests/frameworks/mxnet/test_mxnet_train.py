@@ -88,7 +88,8 @@ def test_float16_with_and_without_master_weights():
     master = train("transformer-small", framework="mxnet", steps=3, dtype="float16", lr=1e-3, accum_steps=8,
                    multi_precision=True)
     assert plain.settings["params"] == master.settings["params"] == "float16"
-    assert master.settings["trainer"] == "gluon.Trainer(params, 'adam', {'learning_rate': 0.001, 'multi_precision': True})"
+    assert master.settings["trainer"] == ("gluon.Trainer(params, 'adam', "
+                                          "{'learning_rate': 0.001, 'multi_precision': True})")
     assert "multi_precision" not in plain.settings["trainer"]
     assert plain.losses["native"][2] != master.losses["native"][2]
     # float16 accumulation under grad_req='add' against the float32 buffer: out of the band
