@@ -3,8 +3,9 @@ writer, the one torch.utils.tensorboard.SummaryWriter wraps)."""
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import AccumcheckError
 
@@ -37,3 +38,31 @@ class ScalarWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class WriterOwner:
+    """What the monitors share about their writer: one given as a log directory is made here and
+    closed by ``close()`` (or the end of a ``with`` block), after the subclass's ``flush()``."""
+
+    writer: Any = None
+    _owns_writer = False
+
+    def _take_writer(self, writer: Any) -> None:
+        self._owns_writer = isinstance(writer, (str, os.PathLike))
+        self.writer = ScalarWriter(os.fspath(writer)) if self._owns_writer else writer
+
+    def flush(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> Any:
+        """``flush()``, then close the writer if the monitor made it (from a log directory)."""
+        result = self.flush()
+        if self._owns_writer:
+            self.writer.close()
+        return result
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

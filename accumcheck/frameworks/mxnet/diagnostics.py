@@ -22,7 +22,6 @@ computed; they are read when they have arrived, usually at the next step.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
 from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ...diagnostics.tensorboard import ScalarWriter
+from ...diagnostics.tensorboard import ScalarWriter, WriterOwner
 from ...errors import AccumcheckError
 from ...options import positive_float, positive_int
 from .hostcopy import HostCopy
@@ -140,7 +139,7 @@ def named_parameters(source: Any) -> list[tuple[str, Any]]:
     return [(name, p) for name, p in pairs if p.grad_req != "null"]
 
 
-class GradMonitor:
+class GradMonitor(WriterOwner):
     """Per-layer gradient statistics, a drop-in ``gluon.utils.clip_global_norm``, and the
     dominance report: accumcheck.diagnostics.torch.GradMonitor for Gluon.
 
@@ -174,8 +173,7 @@ class GradMonitor:
         groups, _ = layer_groups(self.names)
         self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
         self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
-        self._owns_writer = isinstance(writer, (str, os.PathLike))
-        self.writer = ScalarWriter(os.fspath(writer)) if self._owns_writer else writer
+        self._take_writer(writer)
         self.log_every, self.clip_threshold, self.top_k, self.logger, self.ctx = (
             log_every, clip_threshold, top_k, logger, ctx)
         self.step = 0
@@ -249,19 +247,6 @@ class GradMonitor:
         if self.writer is not None and hasattr(self.writer, "flush"):
             self.writer.flush()
         return self.reports
-
-    def close(self) -> list[DominanceReport]:
-        """``flush()``, then close the writer if the monitor made it (from a log directory)."""
-        reports = self.flush()
-        if self._owns_writer:
-            self.writer.close()
-        return reports
-
-    def __enter__(self) -> GradMonitor:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -------------------------------------------------------------- on the engine
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,7 +37,7 @@ from torch.utils._foreach_utils import (
 
 from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
 from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ...diagnostics.tensorboard import ScalarWriter
+from ...diagnostics.tensorboard import ScalarWriter, WriterOwner
 from ...errors import AccumcheckError
 from ...options import positive_float, positive_int
 
@@ -128,7 +127,7 @@ class _HostCopy:
         return self.host.numpy()
 
 
-class GradMonitor:
+class GradMonitor(WriterOwner):
     """Per-layer gradient statistics, a drop-in clip_grad_norm_, and the dominance report.
 
     ``source``: a Module, (name, parameter) pairs, plain parameters or param groups. ``layers``:
@@ -157,8 +156,7 @@ class GradMonitor:
         groups, _ = layer_groups(self.names)
         self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
         self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
-        self._owns_writer = isinstance(writer, (str, os.PathLike))
-        self.writer = ScalarWriter(os.fspath(writer)) if self._owns_writer else writer
+        self._take_writer(writer)
         self.log_every, self.clip_threshold = log_every, clip_threshold
         self.top_k, self.logger = top_k, logger
         self.step = 0
@@ -223,19 +221,6 @@ class GradMonitor:
         if self.writer is not None and hasattr(self.writer, "flush"):
             self.writer.flush()
         return self.reports
-
-    def close(self) -> list[DominanceReport]:
-        """``flush()``, then close the writer if the monitor made it (from a log directory)."""
-        reports = self.flush()
-        if self._owns_writer:
-            self.writer.close()
-        return reports
-
-    def __enter__(self) -> GradMonitor:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -------------------------------------------------------------- statistics
 
