@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -227,15 +226,9 @@ def main() -> int:
           f"{model['parameter_tensors']} parameter tensors, {model['values']:,} values; {args.steps} steps a round "
           f"in turns of {args.chunk}, median of {args.reps} rounds; load average {before:.2f} before, "
           f"{after:.2f} after")
-    print(f"{'variant':<11} {'ms/step':>8} {'ratio':>7}")
-    variants = {}
-    for v in VARIANTS:
-        ratio = statistics.median(t / p for t, p in zip(times[v], times["plain"]))
-        median = statistics.median(times[v])
-        variants[v] = {"median_s": median, "ms_per_step": median / args.steps * 1e3, "ratio": ratio,
-                       "rounds_s": times[v]}
-        mark = f"  aim <= {AIM:g}: " + ("PASS" if ratio <= AIM else "MISS") if v in LOG_EVERY else ""
-        print(f"{v:<11} {variants[v]['ms_per_step']:8.2f} {ratio:7.3f}{mark}")
+    from interleaved import summary  # benchmarks/ is the script's folder
+
+    variants = summary({v: times[v] for v in VARIANTS}, args.steps, AIM, tuple(LOG_EVERY))
     result = {"machine": info, "device": args.device, "steps": args.steps, "chunk": args.chunk, "reps": args.reps,
               "model": model,
               "load": {"before": before, "after": after}, "variants": variants, "aim": AIM}

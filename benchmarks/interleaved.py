@@ -4,6 +4,7 @@ all of them alike."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Protocol
 
 
@@ -35,3 +36,19 @@ def rounds(runners: dict[str, Runner], reps: int, steps: int, chunk: int) -> dic
     finally:
         for runner in runners.values():
             runner.close()
+
+
+def summary(times: dict[str, list[float]], steps: int, aim: float, aimed: tuple[str, ...],
+            baseline: str = "plain") -> dict[str, dict]:
+    """Each runner's median time, per step, and the median over rounds of its ratio to
+    ``baseline`` in the same round, printed as a table (``aimed`` runners marked against ``aim``)."""
+    print(f"{'variant':<11} {'ms/step':>8} {'ratio':>7}")
+    variants = {}
+    for name, rounds_s in times.items():
+        ratio = statistics.median(t / p for t, p in zip(rounds_s, times[baseline]))
+        median = statistics.median(rounds_s)
+        variants[name] = {"median_s": median, "ms_per_step": median / steps * 1e3, "ratio": ratio,
+                          "rounds_s": rounds_s}
+        mark = f"  aim <= {aim:g}: " + ("PASS" if ratio <= aim else "MISS") if name in aimed else ""
+        print(f"{name:<11} {variants[name]['ms_per_step']:8.2f} {ratio:7.3f}{mark}")
+    return variants
