@@ -73,10 +73,10 @@ _ROW = 16  # the per-chunk rows' stride, in 8-byte values
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _count_differ(a, b, lo, hi):
-    """How many elements of [lo, hi) differ between A and B (in their own dtype)."""
+def _count_differ(a, b):
+    """How many elements differ between A and B (in their own dtype)."""
     differ = 0
-    for i in range(lo, hi):
+    for i in range(a.size):
         differ += a[i] != b[i]
     return differ
 
@@ -93,12 +93,12 @@ def _plus_square(total, v):
 # by the scalar loop (so is a finite square that overflows).
 
 @numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
-def _block_equal(a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks):
-    """A == B over [lo, hi): (bad, over_a, over_b, moves, the six sums)."""
+def _block_equal(a, e, s, rel_a, abs_a, rel_b, abs_b, peaks):
+    """A == B over the block: (bad, over_a, over_b, moves, the six sums)."""
     max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
     over_a = over_b = moves = 0
     t0 = t1 = t2 = t3 = t5 = 0.0
-    for i in range(lo, hi):
+    for i in range(a.size):
         x = np.float64(a[i])
         ex = e[i]
         sx = s[i]
@@ -117,8 +117,8 @@ def _block_equal(a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks):
 
 
 @numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
-def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks):
-    """A and B may differ in [lo, hi): (bad, over_a, over_b, moves, the six sums, classic, differ).
+def _block_differ(a, b, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks):
+    """A and B may differ in the block: (bad, over_a, over_b, moves, the six sums, classic, differ).
     More than M ulps between x and y of one sign needs |x - y| > M ulp(min(|x|, |y|)) > M min(|x|,
     |y|) / ``precision`` (2^p for a p-bit significand): the ulps' filter, without bit patterns (a
     change of sign, a zero, or a product that underflows is always rescanned)."""
@@ -126,7 +126,7 @@ def _block_differ(a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, pr
     max_diff, max_rel, diff_ratio, max_ulps = peaks[5], peaks[6] * SLACK, peaks[8] * SLACK, peaks[7] * SLACK
     over_a = over_b = moves = classic = differ = 0
     t0 = t1 = t2 = t3 = t4 = t5 = 0.0
-    for i in range(lo, hi):
+    for i in range(a.size):
         x = np.float64(a[i])
         y = np.float64(b[i])
         ex = e[i]
@@ -263,13 +263,16 @@ def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_
         for lo in range(c * step, min(n, (c + 1) * step), _BLOCK):
             hi = min(n, c * step + step, lo + _BLOCK)
             # After a block where A and B differed, expect the next to differ too: skip the count.
-            differ = 1 if differed else _count_differ(a, b, lo, hi)
+            # The block's own views: indices from 0 load as vectors (an index that might be
+            # negative makes numba wrap it, and the loads become gathers).
+            a_, b_, e_, s_ = a[lo:hi], b[lo:hi], e[lo:hi], s[lo:hi]
+            differ = 1 if differed else _count_differ(a_, b_)
             if differ:
                 bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic, differ = _block_differ(
-                    a, b, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks)
+                    a_, b_, e_, s_, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks)
             else:
                 bad, over_a, over_b, moves, t0, t1, t2, t3, t4, t5 = _block_equal(
-                    a, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, peaks)
+                    a_, e_, s_, rel_a, abs_a, rel_b, abs_b, peaks)
                 classic = 0
             differed = differ > 0
             if bad:
