@@ -63,6 +63,10 @@ class StepRecorder:
                 and all(p.dtype == torch.float32 for p in params.values()))
         if host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES:
             self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32)
+            # Each row as one view per parameter: one foreach copy fills a row (measured faster
+            # than torch.cat into it, which copies input by input).
+            self.rows = [[self.ring[row, span].view(params[name].shape) for name, span in self._spans()]
+                         for row in range(HELD_STEPS)]
         elif host:
             self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
                           for name, span in self._spans()}
@@ -78,7 +82,7 @@ class StepRecorder:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
         if self.ring is not None:
-            torch.cat([grads[name].reshape(-1) for name in self.params], out=self.ring[self.filled])
+            torch._foreach_copy_(self.rows[self.filled], [grads[name] for name in self.params])
             grads.clear()
             self.filled += 1
             if self.filled == HELD_STEPS:
