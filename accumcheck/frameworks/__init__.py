@@ -7,7 +7,7 @@ modules of a framework package may import it at the top: they are loaded only wh
 Frameworks share ``hostsums`` (compiled host-side sums) and the core; a framework package may
 borrow from another only inside a function, where that framework may be missing.
 
-The public paths ``accumcheck.torch``, ``accumcheck.mxnet`` and ``accumcheck.diagnostics.torch``
+The public paths ``accumcheck.torch``, ``accumcheck.mxnet``, ``accumcheck.jax`` and ``accumcheck.diagnostics.torch``
 and ``.mxnet`` are modules of these packages under their older, shorter names: PUBLIC_PATHS maps
 them, and ``install_public_paths`` (run by ``import accumcheck``) lets the import system find them,
 as the same module objects.
@@ -25,6 +25,7 @@ from typing import Any
 PUBLIC_PATHS = {
     "accumcheck.torch": "accumcheck.frameworks.torch",
     "accumcheck.mxnet": "accumcheck.frameworks.mxnet",
+    "accumcheck.jax": "accumcheck.frameworks.jax",
     "accumcheck.diagnostics.torch": "accumcheck.frameworks.torch.diagnostics",
     "accumcheck.diagnostics.mxnet": "accumcheck.frameworks.mxnet.diagnostics",
 }

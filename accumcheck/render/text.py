@@ -7,6 +7,7 @@ import math
 
 from ..budget import budget_note
 from ..report import KIND_ORDER, MARGINAL_RATIO, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
+from ..report.cross import OddOneOut
 from ..report.single import FullBatchResult, factor_text
 
 
@@ -47,7 +48,8 @@ def header_lines(report: Report) -> list[str]:
     else:
         lines += [
             f"bound per element: |mode - E| <= gamma_k(u) * S + k * 2^-126, k = {native['roundings']}"
-            + (f"; native also + {allowance:g}u * (S + S_rms) for kAddTo kernels" if allowance else ""),
+            + (f"; native also + {allowance:g}u * (S + S_rms) "
+               + report.settings.get("native_allowance", "for kAddTo kernels") if allowance else ""),
             "E, S: float64 sums of the micro-gradients and of their magnitudes",
         ]
     if report.groups > 1:
@@ -295,26 +297,47 @@ def statistics_lines(t: TensorResult) -> list[str]:
 
 
 def cross_summary(cross: CrossReport) -> str:
-    """One line: per-framework verdicts and whether the frameworks agree."""
+    """One line: per-framework verdicts and whether the frameworks agree; with three or more, which
+    framework disagrees with all the others on each tensor some pair disagrees on."""
     parts = [f"{r.framework}: {'FLAGGED ' + str(len(r.flagged)) if r.flagged else 'OK'}" for r in cross.reports]
-    disagree = cross.flagged
     names = " vs ".join(cross.frameworks)
-    if disagree:
-        listed = ", ".join(f"{a.name} ({a.kind}, {num(a.ratio)}x bound)" for a in
-                           sorted(disagree, key=lambda a: KIND_ORDER.index(a.kind) if a.kind in KIND_ORDER else 9))
-        agree = f"{names}: DISAGREE on {len(disagree)} of {len(cross.agreement)} tensors: {listed}"
+    tensors = len({a.name for a in cross.agreement})
+    disagree = [(a, pair) for a, pair in zip(cross.agreement, cross.pairs()) if a.flagged]
+    if cross.odd_one_out:
+        agree = (f"{names}: DISAGREE on {len(cross.odd_one_out)} of {tensors} tensors: "
+                 + "; ".join(odd_one_out_sentence(o) for o in cross.odd_one_out))
+    elif disagree:
+        labelled = len(cross.frameworks) > 2
+        listed = ", ".join(f"{a.name} ({a.kind}, {' vs '.join(pair) + ', ' if labelled else ''}{num(a.ratio)}x bound)"
+                           for a, pair in sorted(disagree, key=lambda d: _kind_order(d[0].kind)))
+        agree = f"{names}: DISAGREE on {len({a.name for a, _ in disagree})} of {tensors} tensors: {listed}"
     else:
-        agree = f"{names}: all {len(cross.agreement)} tensors agree within the bound"
+        agree = f"{names}: all {tensors} tensors agree within the bound" + (" in every pair" if len(cross.frameworks) > 2
+                                                                             else "")
     return "; ".join(parts) + "; " + agree
 
 
-def forward_line(cross: CrossReport) -> str:
-    f = cross.forward
-    if f is None:
-        return "forward: not compared"
-    return (f"forward (logits of micro-batch 0): max |difference| {num(f.max_abs_diff)} at {index_text(f.index)}, "
-            f"{num(f.relative)} of max |logit| {num(f.max_abs_logit)} = {num(f.in_float32_units)} float32 "
-            "unit round-offs")
+def _kind_order(kind: str) -> int:
+    return KIND_ORDER.index(kind) if kind in KIND_ORDER else 9
+
+
+def odd_one_out_sentence(odd: OddOneOut) -> str:
+    """The framework that alone disagrees with all the others on a tensor, or that none does."""
+    if odd.framework is not None:
+        others = odd.others()
+        return (f"{odd.framework} disagrees with {', '.join(others[:-1]) + ' and ' if others[1:] else ''}{others[-1]} "
+                f"on {odd.name} (worst ratio {num(odd.ratio)})")
+    return (f"{' and '.join(' vs '.join(pair) for pair in odd.disagreeing)} disagree on {odd.name} "
+            f"(worst ratio {num(odd.ratio)}): no one framework disagrees with all the others")
+
+
+def forward_lines(cross: CrossReport) -> list[str]:
+    """Each pair's logits of micro-batch 0 compared, the pair named."""
+    if not cross.forwards():
+        return ["forward: not compared"]
+    return [f"forward (logits of micro-batch 0), {' vs '.join(cross.forward_pair(f))}: "
+            f"max |difference| {num(f.max_abs_diff)} at {index_text(f.index)}, {num(f.relative)} of max |logit| "
+            f"{num(f.max_abs_logit)} = {num(f.in_float32_units)} float32 unit round-offs" for f in cross.forwards()]
 
 
 def sweep_summary(sweep: SweepReport) -> str:

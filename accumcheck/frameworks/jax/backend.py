@@ -1,0 +1,55 @@
+"""The JAX backend: ``optax.MultiSteps``' accumulator against a ``tree_map`` buffer, both fed the
+same micro-gradients (``run``). JAX and optax are imported inside the methods only."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from ...backend import Backend, Capabilities, Progress, RunResult
+from ...config import RunConfig
+from ...options import ACCUM_DTYPES, Option
+
+JIT = Option("jit", "jit", "JAX: jit-compile the gradient, the MultiSteps update and the manual add (default: on)",
+             switch=True)
+GRAD_MEAN = Option("grad_mean", "grad-mean", "JAX: optax.MultiSteps(use_grad_mean=...), its running mean "
+                   "(default: on, optax's default) or a running sum", switch=True)
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    package = "jax"
+    preference = 2
+    install = "pip install 'accumcheck[jax]'"
+    capabilities = Capabilities(
+        dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN), replay=True,
+        why_not={"dtype": "it runs float32 and bfloat16 parameters",
+                 "mode": "GradAccumulator modes are PyTorch's and MXNet's; JAX's native slot is optax.MultiSteps",
+                 "full_batch": "the full-batch reference is not built for JAX",
+                 "world_size": "no data-parallel mode: data-parallel runs use torch.distributed",
+                 "memory_budget": "the JAX backend runs every tensor in one group"})
+
+    def has_device(self, kind: str) -> bool:
+        from .run import has_gpu
+
+        return kind == "cpu" or has_gpu()
+
+    def versions(self) -> dict[str, str]:
+        import jax
+        import jaxlib
+        import optax
+
+        return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
+
+    def run(self, config: RunConfig, progress: Progress | None = None,
+            weights: dict[str, np.ndarray] | None = None) -> RunResult:
+        from .run import run
+
+        return run(config, self.versions(), progress, weights)
+
+    def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
+                        weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        from .run import micro_gradients
+
+        return micro_gradients(config, names, progress, weights)
