@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,7 +27,7 @@ from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .faults import Fault, resolve_fault
-from .judge import Judge, agreement, build_report, forward_agreement
+from .judge import Judge, agreement, build_report, forward_agreement, odd_one_out
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
 from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .registry import backend_names, backend_options, get_backend, installed_backends
@@ -55,7 +56,7 @@ def compare(case: str | Path | Case = "embed-attention", framework: str | Sequen
     ``repro`` (a .py path) also writes the run's reproduction script (``write_repro``), after
     shrinking the case with ``shrink``.
 
-    Returns the Report, or a CrossReport when ``framework`` names two frameworks. Raises
+    Returns the Report, or a CrossReport when ``framework`` names two or more frameworks. Raises
     AccumcheckError for an unknown case, framework, device, fault or option, a malformed case
     file, or a combination the backend cannot run."""
     config = configure({"case": case, "framework": framework, "accum_steps": accum_steps, **options})
@@ -70,9 +71,10 @@ def compare_frameworks(case: str | Path | Case = "embed-attention", frameworks: 
                        accum_steps: int | None = None, *, progress: Progress | None = None,
                        weights: dict[str, dict[str, np.ndarray]] | None = None, **options: Any) -> CrossReport:
     """Run ``case`` in each framework (default: every installed one) with the float64 oracle,
-    which the agreement bound needs, judge each one as ``compare`` does, and compare the first
-    framework's manual sums with every other's. ``weights`` may give one framework other initial
-    weights (to prove the check fires). Raises AccumcheckError as ``compare`` does, or for fewer
+    which the agreement bound needs, judge each one as ``compare`` does, and compare every pair of
+    frameworks' manual sums; with three or more, the report names the framework that alone
+    disagrees with all the others on a tensor (``CrossReport.odd_one_out``). ``weights`` may give
+    one framework other initial weights (to prove the check fires). Raises AccumcheckError as ``compare`` does, or for fewer
     than two distinct frameworks."""
     frameworks = installed_backends() if frameworks is None else frameworks
     if len(set(frameworks)) < 2:
@@ -154,9 +156,13 @@ def _cross(config: RunConfig, progress: Progress | None, weights: dict[str, dict
         result = backend.run(own, progress, weights=weights.get(backend.name))
         results.append(result)
         reports.append(_report(own, result, started, backend, progress, weights.get(backend.name)))
-    agreements = [a for other in results[1:] for a in agreement(results[0], other)]
-    return CrossReport(frameworks=list(config.frameworks), reports=reports, agreement=agreements,
-                       forward=forward_agreement(results[0], results[1]), allowance=FLOAT64_KERNEL_ALLOWANCE)
+    names = list(config.frameworks)
+    pairs = list(itertools.combinations(range(len(results)), 2))  # every pair, i < j
+    agreements = [a for i, j in pairs for a in agreement(results[i], results[j], [names[i], names[j]])]
+    forwards = [forward_agreement(results[i], results[j], [names[i], names[j]]) for i, j in pairs]
+    return CrossReport(frameworks=names, reports=reports, agreement=agreements, forward=forwards[0],
+                       forward_rest=[f for f in forwards[1:] if f is not None],
+                       odd_one_out=odd_one_out(names, agreements), allowance=FLOAT64_KERNEL_ALLOWANCE)
 
 
 def sweep(case: str | Path | Case, steps: Sequence[int], *, progress: Progress | None = None,

@@ -26,8 +26,10 @@ def failure_message(report: Report | CrossReport | StackReport) -> str:
         for r in report.reports:
             if r.flagged:
                 lines.append(failure_message(r))
-        for a in report.flagged:
-            lines.append(f"{a.name} ({a.kind}): {a.verdict}, {num(a.ratio)}x the agreement bound "
+        for a, pair in zip(report.agreement, report.pairs()):
+            if not a.flagged:
+                continue
+            lines.append(f"{a.name} ({a.kind}), {' vs '.join(pair)}: {a.verdict}, {num(a.ratio)}x the agreement bound "
                          f"{num(a.bound_at_worst)} at index {tuple(a.worst_index)}; greatest absolute difference "
                          f"{num(a.max_abs_diff)} at index {tuple(a.max_abs_diff_index)} ({num(a.max_ulps)} ulps)")
         lines.append(f"Reproduce: {report.reproduce_command()}")

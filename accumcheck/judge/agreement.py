@@ -11,6 +11,9 @@ where the second term allows the frameworks' float64 kernels to differ at float3
 float64 GELU uses a float32-accurate erf). c = FLOAT64_KERNEL_ALLOWANCE, well above the largest
 value measured on the built-in cases (docs/frameworks.md). A tensor past that bound was computed
 from a different function, weights or data: it "disagrees".
+
+With three or more frameworks every pair is compared, and ``odd_one_out`` says, tensor by tensor,
+which framework (if any) disagrees with every other while the others all agree among themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 
 from ..backend import RunResult
 from ..bounds import UNIT_ROUNDOFF
-from ..report import Agreement, ForwardAgreement
+from ..report import Agreement, ForwardAgreement, OddOneOut
 from .ratio import ratios_to, unravel
 
 FLOAT64_KERNEL_ALLOWANCE = 16.0
@@ -31,8 +34,9 @@ def ordered_bits(values: np.ndarray) -> np.ndarray:
     return np.where(bits < 0, np.int64(-(2**31)) - bits, bits)
 
 
-def agreement(run_a: RunResult, run_b: RunResult) -> list[Agreement]:
-    """Compare the manual sums of two runs of the same case (both run with the float64 oracle)."""
+def agreement(run_a: RunResult, run_b: RunResult, pair: list[str] | None = None) -> list[Agreement]:
+    """Compare the manual sums of two runs of the same case (both run with the float64 oracle);
+    each record labelled with ``pair``, the two frameworks' names."""
     u = UNIT_ROUNDOFF["float32"]
     b_params = {p.name: p for p in run_b.params}
     scales = np.concatenate([np.maximum(p.absum, b_params[p.name].absum).ravel() for p in run_a.params])
@@ -64,12 +68,37 @@ def agreement(run_a: RunResult, run_b: RunResult) -> list[Agreement]:
             max_ulps=float(np.abs(ordered_bits(pa.manual) - ordered_bits(pb.manual)).max(initial=0)),
             ratio=float(ratio.max(initial=0.0)), worst_index=unravel(worst, shape),
             bound_at_worst=float(bound.reshape(-1)[worst]) if worst >= 0 else 0.0,
-            float32_err_a=float(err_a.max(initial=0.0)), float32_err_b=float(err_b.max(initial=0.0))))
+            float32_err_a=float(err_a.max(initial=0.0)), float32_err_b=float(err_b.max(initial=0.0)),
+            frameworks=None if pair is None else list(pair)))
     return results
 
 
-def forward_agreement(run_a: RunResult, run_b: RunResult) -> ForwardAgreement | None:
-    """How closely the frameworks' logits for micro-batch 0 agree (None when either has none)."""
+def odd_one_out(frameworks: list[str], records: list[Agreement]) -> list[OddOneOut]:
+    """For each tensor some pair of three or more frameworks disagrees on (``records``: every
+    pair's agreement, labelled): the framework that disagrees with every other while all the
+    others agree among themselves, or None when the disagreements single out no one. Two
+    frameworks single out no one, and get no records."""
+    if len(frameworks) < 3:
+        return []
+    by_tensor: dict[str, list[Agreement]] = {}
+    for record in records:
+        by_tensor.setdefault(record.name, []).append(record)
+    found = []
+    for name, compared in by_tensor.items():
+        flagged = [a for a in compared if a.flagged]
+        if not flagged:
+            continue
+        disagreeing = {frozenset(a.frameworks or ()) for a in flagged}
+        odd = [f for f in frameworks if disagreeing == {frozenset((f, g)) for g in frameworks if g != f}]
+        found.append(OddOneOut(name=name, kind=flagged[0].kind, framework=odd[0] if len(odd) == 1 else None,
+                               disagreeing=[list(a.frameworks or ()) for a in flagged],
+                               ratio=max(a.ratio for a in flagged)))
+    return found
+
+
+def forward_agreement(run_a: RunResult, run_b: RunResult, pair: list[str] | None = None) -> ForwardAgreement | None:
+    """How closely the frameworks' logits for micro-batch 0 agree (None when either has none),
+    labelled with ``pair``, the two frameworks' names."""
     la, lb = run_a.first_logits, run_b.first_logits
     if la is None or lb is None:
         return None
@@ -79,4 +108,4 @@ def forward_agreement(run_a: RunResult, run_b: RunResult) -> ForwardAgreement | 
     return ForwardAgreement(
         max_abs_diff=float(diff.max()), max_abs_logit=scale, relative=float(diff.max() / scale) if scale else 0.0,
         in_float32_units=float(diff.max() / (scale * UNIT_ROUNDOFF["float32"])) if scale else 0.0,
-        index=unravel(biggest, list(la.shape)))
+        index=unravel(biggest, list(la.shape)), frameworks=None if pair is None else list(pair))

@@ -8,7 +8,17 @@ from typing import Any
 
 from ..report import CrossReport, Report, SweepReport, TensorResult
 from .plots import growth, heatmaps, png_bytes, scatter
-from .text import cause_words, cross_summary, has_causes, header_lines, noteworthy, num, summary_line, tensor_details
+from .text import (
+    cause_words,
+    cross_summary,
+    forward_lines,
+    has_causes,
+    header_lines,
+    noteworthy,
+    num,
+    summary_line,
+    tensor_details,
+)
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
@@ -114,11 +124,15 @@ def html_report(report: Report | SweepReport | CrossReport) -> str:
         title = f"accumcheck: {' vs '.join(report.frameworks)}, {report.reports[0].case}"
         body = [_summary(cross_summary(report), bool(report.exit_code))]
         body += [_report_section(r, plots=False) for r in report.reports]
-        rows = "".join(f'<tr><td class="name">{html.escape(a.name)}</td><td class="text">{a.kind}</td>'
+        rows = "".join(f'<tr><td class="name">{html.escape(a.name)}</td>'
+                       f'<td class="text">{html.escape(" vs ".join(pair))}</td><td class="text">{a.kind}</td>'
                        f'<td class="text{" flagged" if a.flagged else ""}">{a.verdict}</td><td>{num(a.ratio)}</td>'
-                       f"<td>{num(a.max_abs_diff)}</td><td>{num(a.max_ulps)}</td></tr>" for a in report.agreement)
-        body.append("<h2>Manual accumulations compared</h2><table><thead><tr><th class='name'>tensor</th><th>kind</th>"
-                    f"<th>verdict</th><th>ratio</th><th>max|diff|</th><th>ulps</th></tr></thead><tbody>{rows}</tbody></table>")
+                       f"<td>{num(a.max_abs_diff)}</td><td>{num(a.max_ulps)}</td></tr>"
+                       for a, pair in zip(report.agreement, report.pairs()))
+        body.append("<h2>Manual accumulations compared</h2><table><thead><tr><th class='name'>tensor</th>"
+                    "<th>frameworks</th><th>kind</th><th>verdict</th><th>ratio</th><th>max|diff|</th><th>ulps</th>"
+                    f"</tr></thead><tbody>{rows}</tbody></table>")
+        body.append("".join(f"<p>{html.escape(line)}</p>" for line in forward_lines(report)))
     else:
         title = f"accumcheck: {report.case}, {report.framework}"
         body = [_report_section(report)]

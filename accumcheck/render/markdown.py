@@ -10,7 +10,7 @@ from .text import (
     describe,
     diff_extra_lines,
     diff_summary,
-    forward_line,
+    forward_lines,
     has_causes,
     header_lines,
     noteworthy,
@@ -53,14 +53,16 @@ def cross_markdown(cross: CrossReport) -> str:
     out = [markdown(r) for r in cross.reports]
     out.append(f"## {' vs '.join(cross.frameworks)}: manual accumulations")
     out.append("")
-    out.append(f"| tensor | kind | verdict | ratio to bound | max abs diff | ulps | float32 error "
-               f"{cross.frameworks[0]} | float32 error {cross.frameworks[1]} |")
-    out.append("|---|---|---|---:|---:|---:|---:|---:|")
-    for a in cross.agreement:
-        verdict = f"**{a.verdict}**" if a.flagged else a.verdict
-        out.append(f"| `{a.name}` | {a.kind} | {verdict} | {num(a.ratio)} | {num(a.max_abs_diff)} | {num(a.max_ulps)} "
-                   f"| {num(a.float32_err_a)} | {num(a.float32_err_b)} |")
-    out += ["", f"- {forward_line(cross)}", "", f"**{cross_summary(cross)}**", ""]
+    a, b = cross.frameworks if len(cross.frameworks) == 2 else ("a", "b")
+    out.append(f"| tensor | a vs b | kind | verdict | ratio to bound | max abs diff | ulps "
+               f"| float32 error {a} | float32 error {b} |")
+    out.append("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for row, pair in zip(cross.agreement, cross.pairs()):
+        verdict = f"**{row.verdict}**" if row.flagged else row.verdict
+        out.append(f"| `{row.name}` | {' vs '.join(pair)} | {row.kind} | {verdict} "
+                   f"| {num(row.ratio)} | {num(row.max_abs_diff)} | {num(row.max_ulps)} | {num(row.float32_err_a)} "
+                   f"| {num(row.float32_err_b)} |")
+    out += [""] + [f"- {line}" for line in forward_lines(cross)] + ["", f"**{cross_summary(cross)}**", ""]
     return "\n".join(out)
 
 

@@ -19,7 +19,7 @@ from .text import (
     describe,
     diff_extra_lines,
     diff_summary,
-    forward_line,
+    forward_lines,
     has_causes,
     header_lines,
     noteworthy,
@@ -94,16 +94,19 @@ def render_table(report: Report, console: Console) -> None:
 
 
 def agreement_table(cross: CrossReport) -> Table:
+    """One row a tensor and pair of frameworks, the pair named "a vs b"."""
     table = Table(box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False,
                   title=f"manual accumulation: {' vs '.join(cross.frameworks)}")
-    for title in ("tensor", "kind", "verdict", "ratio", "max|diff|", "ulps", f"fp32 err {cross.frameworks[0]}",
-                  f"fp32 err {cross.frameworks[1]}"):
-        table.add_column(title, justify="left" if title in ("tensor", "kind", "verdict") else "right",
-                         no_wrap=title in ("tensor", "kind", "verdict"))
-    for a in cross.agreement:
-        style = "bold red" if a.flagged else ("green" if a.verdict == "identical" else "cyan")
-        table.add_row(a.name, a.kind, Text(a.verdict, style=style), num(a.ratio), num(a.max_abs_diff),
-                      num(a.max_ulps), num(a.float32_err_a), num(a.float32_err_b))
+    a, b = cross.frameworks if len(cross.frameworks) == 2 else ("a", "b")
+    for title in ("tensor", "a vs b", "kind", "verdict", "ratio", "max|diff|", "ulps",
+                  f"fp32 err {a}", f"fp32 err {b}"):
+        table.add_column(title, justify="left" if title in ("tensor", "a vs b", "kind", "verdict") else "right",
+                         no_wrap=title in ("tensor", "a vs b", "kind", "verdict"))
+    for row, pair in zip(cross.agreement, cross.pairs()):
+        style = "bold red" if row.flagged else ("green" if row.verdict == "identical" else "cyan")
+        table.add_row(row.name, " vs ".join(pair), row.kind, Text(row.verdict, style=style),
+                      num(row.ratio), num(row.max_abs_diff), num(row.max_ulps), num(row.float32_err_a),
+                      num(row.float32_err_b))
     return table
 
 
@@ -114,7 +117,8 @@ def render_cross_table(cross: CrossReport, console: Console) -> None:
     console.print(Text(f"bound: |B_a - B_b| <= e_a + e_b + {cross.allowance:g}u * (S + S_rms,tensor + S_rms,model), "
                        "e_f = |B_f - O_f| each framework's float32 error against its own float64 run", style="dim"))
     console.print(agreement_table(cross))
-    console.print(Text(forward_line(cross)))
+    for line in forward_lines(cross):
+        console.print(Text(line))
     console.print(Text(f"reproduce: {cross.reproduce_command()}", style="dim"))
     console.print(Group(Text(""), Text(cross_summary(cross), style="bold red" if cross.exit_code else "bold green")))
 

@@ -305,15 +305,15 @@ def cross_summary(cross: CrossReport) -> str:
     disagree = [(a, pair) for a, pair in zip(cross.agreement, cross.pairs()) if a.flagged]
     if cross.odd_one_out:
         agree = (f"{names}: DISAGREE on {len(cross.odd_one_out)} of {tensors} tensors: "
-                 + "; ".join(odd_one_out_sentence(o) for o in cross.odd_one_out))
+                 + "; ".join(odd_one_out_sentences(cross.odd_one_out)))
     elif disagree:
         labelled = len(cross.frameworks) > 2
         listed = ", ".join(f"{a.name} ({a.kind}, {' vs '.join(pair) + ', ' if labelled else ''}{num(a.ratio)}x bound)"
                            for a, pair in sorted(disagree, key=lambda d: _kind_order(d[0].kind)))
         agree = f"{names}: DISAGREE on {len({a.name for a, _ in disagree})} of {tensors} tensors: {listed}"
     else:
-        agree = f"{names}: all {tensors} tensors agree within the bound" + (" in every pair" if len(cross.frameworks) > 2
-                                                                             else "")
+        every = " in every pair" if len(cross.frameworks) > 2 else ""
+        agree = f"{names}: all {tensors} tensors agree within the bound{every}"
     return "; ".join(parts) + "; " + agree
 
 
@@ -324,11 +324,26 @@ def _kind_order(kind: str) -> int:
 def odd_one_out_sentence(odd: OddOneOut) -> str:
     """The framework that alone disagrees with all the others on a tensor, or that none does."""
     if odd.framework is not None:
-        others = odd.others()
-        return (f"{odd.framework} disagrees with {', '.join(others[:-1]) + ' and ' if others[1:] else ''}{others[-1]} "
-                f"on {odd.name} (worst ratio {num(odd.ratio)})")
-    return (f"{' and '.join(' vs '.join(pair) for pair in odd.disagreeing)} disagree on {odd.name} "
-            f"(worst ratio {num(odd.ratio)}): no one framework disagrees with all the others")
+        return f"{odd.framework} disagrees with {_and(odd.others())} on {odd.name} (worst ratio {num(odd.ratio)})"
+    return (f"{_and([' vs '.join(pair) for pair in odd.disagreeing])} disagree on {odd.name} (worst ratio "
+            f"{num(odd.ratio)}): no one framework disagrees with all the others")
+
+
+def odd_one_out_sentences(odd_ones: list[OddOneOut]) -> list[str]:
+    """One sentence a framework singled out, naming its tensors; then one a tensor that singles out no one."""
+    named: dict[str, list[OddOneOut]] = {}
+    for odd in odd_ones:
+        if odd.framework is not None:
+            named.setdefault(odd.framework, []).append(odd)
+    sentences = [odd_one_out_sentence(found[0]) if len(found) == 1 else
+                 f"{framework} disagrees with {_and(found[0].others())} on {len(found)} tensors (worst ratio "
+                 f"{num(worst.ratio)} on {worst.name}): {', '.join(o.name for o in found)}"
+                 for framework, found in named.items() for worst in [max(found, key=lambda o: o.ratio)]]
+    return sentences + [odd_one_out_sentence(odd) for odd in odd_ones if odd.framework is None]
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
 
 
 def forward_lines(cross: CrossReport) -> list[str]:

@@ -5,7 +5,7 @@ is re-rendered with ``accumcheck show`` on a machine that has neither framework 
 """
 
 from ..files import write_atomic
-from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement
+from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement, OddOneOut
 from .diff import ReportDiff, TensorChange, diff_reports
 from .files import KINDS, load_report, report_from_data
 from .single import (
@@ -23,7 +23,7 @@ from .trajectory import TrajectoryReport
 from .values import SCHEMA_VERSION
 
 __all__ = ["CROSS_VERDICTS", "FLAGGED_VERDICTS", "KINDS", "KIND_ORDER", "SCHEMA_VERSION", "VERDICTS", "MARGINAL_RATIO",
-           "SEVERITIES", "Agreement", "Cause", "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult",
+           "SEVERITIES", "Agreement", "Cause", "CrossReport", "DataParallelResult", "DataParallelSetup", "ForwardAgreement", "FullBatchResult", "OddOneOut",
            "RankVerdict", "Report", "STEP_VERDICTS", "StackReport", "StackStep", "ReportDiff", "SingleProcessAgreement", "SweepReport", "TensorChange",
            "TensorResult", "TrajectoryReport", "diff_reports", "growth_rows", "load_report", "report_from_data",
            "write_atomic"]
