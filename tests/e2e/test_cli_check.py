@@ -102,7 +102,7 @@ def run_main(*args):
     ("{file}:not_a_dict", [], "must return a dict of check's arguments with at least 'model' and 'batches', got list"),
     ("{file}:unknown_argument", [], "'lr' is not an argument of accumcheck.torch.check"),
     ("{file}:strings", [], "the model raised TypeError on micro-batch 0"),
-    ("{file}:not_a_model", [], "str is not a model of a framework accumcheck checks here (mxnet, torch)"),
+    ("{file}:not_a_model", [], "str is not a model of a framework accumcheck checks here (jax, mxnet, torch)"),
     ("{file}", ["--inject", "melt"], "--inject: unknown fault 'melt'"),
     ("{file}", ["--accum-steps", "99"], "accum_steps=99 but only 16 batches were given"),
     ("{file}", ["--accum-steps", "0"], "'0' is not a positive integer"),

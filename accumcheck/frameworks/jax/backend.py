@@ -3,7 +3,7 @@ same micro-gradients (``run``). JAX and optax are imported inside the methods on
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -47,6 +47,11 @@ class JaxBackend(Backend):
         from .run import run
 
         return run(config, self.versions(), progress, weights)
+
+    def model_check(self) -> Callable[..., Any]:
+        from .model_check import check
+
+        return check
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:

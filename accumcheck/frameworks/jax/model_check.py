@@ -1,0 +1,333 @@
+"""Check gradient accumulation on your own JAX model.
+
+    import accumcheck.jax
+    report = accumcheck.jax.check(loss_fn, params, batches, accum_steps=16)
+    accumcheck.assert_faithful(report)
+
+``loss_fn(params, batch)`` returns the scalar loss; ``params`` is any pytree of float arrays
+(flax's and haiku's nested dicts, lists, tuples). One gradient per micro-batch
+(``jax.value_and_grad(loss_fn)``, jit-compiled unless ``jit=False``) feeds both modes:
+``optax.MultiSteps(optax.sgd(1.0), every_k_schedule=N)`` initialised on your parameters (its
+accumulator in their dtypes) and a float32 buffer added with ``tree_map`` (float64 for float64
+parameters), with float64 sums E and S on the host. Each parameter array is judged as
+``accumcheck compare --framework jax`` judges a case. Your params, batches and JAX's x64 flag
+are left as found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import enable_x64
+
+from ...backend import ParamAccumulation, Progress, RunResult
+from ...cases import infer_kind
+from ...errors import AccumcheckError
+from ...faults import parse_fault, resolve_fault
+from ...judge import build_report
+from ...report import Report
+from ...usermodel import Batch, batch_source
+from .accumulate import accumulate, host_float
+from .multisteps import harmonic_note, mean_allowance
+from .run import device_name
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+LossFn = Callable[[Any, Batch], Any]
+
+
+def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch],
+          accum_steps: int | None = None, *, oracle: bool = False, inject: str | None = None,
+          progress: Progress | None = None, jit: bool = True, grad_mean: bool = True) -> Report:
+    """Accumulate ``accum_steps`` micro-batches with optax.MultiSteps and by hand, and judge every
+    parameter array.
+
+    ``batches`` is a sequence or iterable (the first ``accum_steps`` are used; default all) or a
+    function of the micro-step index; each batch is passed to ``loss_fn`` as it is. ``params``'
+    arrays may be float32, bfloat16, float16 or float64 (mixed: each judged by its own dtype);
+    float64 ones run under ``jax.experimental.enable_x64()`` for the check only. ``grad_mean`` is
+    MultiSteps' ``use_grad_mean`` (its running mean, optax's default, or a running sum).
+    ``oracle`` also runs ``loss_fn`` on a float64 copy of params (JAX's x64 mode for that pass
+    only). ``inject`` (e.g. ``"scale"``, ``"drop-step:params.Dense_0.kernel"``) perturbs the
+    native accumulation to prove the check fires. Returns a Report; raises AccumcheckError, in one
+    line, for bad input and for an exception raised by ``loss_fn`` or the batches.
+    """
+    started = time.perf_counter()
+    _check_arguments(loss_fn, batches, oracle, inject, jit, grad_mean)
+    tree = ParamTree(params)
+    get_batch, steps = batch_source(batches, accum_steps)
+    fault = resolve_fault(parse_fault(inject), list(tree.kinds.items()), steps) if inject is not None else None
+    wide = tree.wide
+    with wide():
+        flat = tree.arrays()
+        grad_of = _grad_function(loss_fn, jit)
+        micro = MicroSteps(loss_fn, grad_of, tree, flat, get_batch, jit)
+        sums = accumulate(flat, micro, steps, tree.accum_dtype, jit, grad_mean, fault, progress)
+    losses = {"mean_loss": sums["loss"]}
+    oracle_sums = None
+    if oracle:
+        oracle_sums, losses["oracle_mean_loss"] = _float64_oracle(loss_fn, tree, get_batch, steps, jit, progress)
+    mixed = len(set(tree.dtypes.values())) > 1
+    run = RunResult(
+        params=[ParamAccumulation(name, tree.kinds[name], sums["native"][name], sums["manual"][name],
+                                  sums["exact"][name], sums["absum"][name],
+                                  oracle=None if oracle_sums is None else oracle_sums[name],
+                                  dtype=tree.dtypes[name] if mixed else None)
+                for name in tree.names],
+        framework="jax", versions=_versions(), device=_device(flat), param_dtype=tree.param_dtype,
+        accum_dtype=tree.accum_dtype, native_kernel_allowance=mean_allowance(steps) if grad_mean else 0.0,
+        losses=losses, settings=_settings(steps, jit, grad_mean, tree.accum_dtype),
+        notes=_notes(tree, steps, jit, grad_mean))
+    options = {"oracle": oracle or None, "inject": inject, "jit": None if jit else False,
+               "grad_mean": None if grad_mean else False}
+    name = getattr(loss_fn, "__name__", None)
+    config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn",
+              **{k: v for k, v in options.items() if v is not None}}
+    return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
+                        replay=partial(_replay, micro, wide, steps, progress))
+
+
+class ParamTree:
+    """The user's parameter pytree: each array leaf's name (from its path), dtype and kind, and
+    the tree's structure to rebuild it. Raises AccumcheckError for a tree that is not one of
+    float arrays."""
+
+    def __init__(self, params: Any) -> None:
+        try:
+            leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        except Exception as exc:
+            raise AccumcheckError(f"check: params could not be flattened as a pytree ({type(exc).__name__}: "
+                                  f"{_first_line(exc)}); pass a pytree of arrays such as a dict") from exc
+        if not leaves:
+            raise AccumcheckError("check: params holds no arrays; pass the parameter pytree your loss_fn takes "
+                                  "(e.g. a dict of jax arrays)")
+        self.names = unique_names([path for path, _ in leaves])
+        self.leaves = [leaf for _, leaf in leaves]
+        self.dtypes = {name: _float_dtype(name, leaf) for name, leaf in zip(self.names, self.leaves)}
+        self.kinds = {name: infer_kind(name, len(leaf.shape)) for name, leaf in zip(self.names, self.leaves)}
+        counts = Counter(self.dtypes.values())
+        self.param_dtype = max(counts, key=counts.__getitem__)  # the most common; each judged by its own
+        # The manual buffer: float32, or float64 where any parameter is float64 (then in JAX's x64 mode).
+        self.accum_dtype = "float64" if "float64" in counts else "float32"
+
+    def wide(self) -> Any:
+        """JAX's x64 mode where a parameter is float64 (a context: switched back on leaving it)."""
+        return enable_x64() if self.accum_dtype == "float64" else contextlib.nullcontext()
+
+    def arrays(self, dtype: Any = None) -> dict[str, Any]:
+        """name -> the leaf as a jax array, in its own dtype or ``dtype`` (new arrays; the user's
+        stay as they are)."""
+        return {name: jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
+
+    def tree(self, flat: dict[str, Any]) -> Any:
+        """The user's structure with the arrays of ``flat``."""
+        return self.treedef.unflatten([flat[name] for name in self.names])
+
+    def flat(self, grads: Any) -> dict[str, Any]:
+        """A gradient pytree (params' structure) as name -> array."""
+        return dict(zip(self.names, self.treedef.flatten_up_to(grads)))
+
+
+def key_text(key: Any) -> str:
+    """One step of a pytree path as a name part: a dict key, a list index, an attribute."""
+    for field in ("key", "idx", "name"):  # DictKey, FlattenedIndexKey / SequenceKey / GetAttrKey
+        if hasattr(key, field):
+            return str(getattr(key, field))
+    return str(key)
+
+
+def unique_names(paths: list[tuple[Any, ...]]) -> list[str]:
+    """Dotted names ("params.Dense_0.kernel", "layers.0.w"); where two would read the same, the
+    paths as ``jax.tree_util.keystr`` writes them."""
+    names = [".".join(key_text(key) for key in path) or "params" for path in paths]
+    counts = Counter(names)
+    names = [jax.tree_util.keystr(path) if counts[name] > 1 else name for name, path in zip(names, paths)]
+    seen: Counter[str] = Counter()
+    unique = []
+    for name in names:
+        seen[name] += 1
+        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return unique
+
+
+def _float_dtype(name: str, leaf: Any) -> str:
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or isinstance(leaf, np.generic):
+        raise AccumcheckError(f"check: params leaf {name!r} is a {type(leaf).__name__}, not an array; params must be "
+                              "a pytree of float arrays (jnp.asarray your values, keep other state out of params)")
+    dtype = np.dtype(leaf.dtype).name
+    if dtype not in FLOAT_DTYPES:
+        raise AccumcheckError(f"check: params leaf {name!r} is {dtype}; every array in params must be float32, "
+                              "bfloat16, float16 or float64 (keep non-trainable state out of params)")
+    return dtype
+
+
+class MicroSteps:
+    """Micro-step ``k``'s (loss, name -> gradient) for ``accumulate``. loss_fn's output is checked
+    on the first micro-step; an exception raised by loss_fn or the batches becomes one line."""
+
+    def __init__(self, loss_fn: LossFn, grad_of: Callable[..., Any], tree: ParamTree, flat: dict[str, Any],
+                 get_batch: Callable[[int], Batch], jit: bool) -> None:
+        self.loss_fn, self.grad_of, self.tree, self.get_batch, self.jit = loss_fn, grad_of, tree, get_batch, jit
+        self.params = tree.tree(flat)
+        self.checked = False
+
+    def __call__(self, index: int) -> tuple[Any, dict[str, Any]]:
+        batch = guarded(index, "batches", self.jit, self.get_batch, index)
+        if not self.checked:
+            _check_loss(self.loss_fn, self.params, batch, index, self.jit)
+            self.checked = True
+        loss, grads = guarded(index, "loss_fn", self.jit, self.grad_of, self.params, batch)
+        return loss, self.tree.flat(grads)
+
+
+def _grad_function(loss_fn: LossFn, jit: bool) -> Callable[..., Any]:
+    step = jax.value_and_grad(loss_fn)
+    return jax.jit(step) if jit else step
+
+
+def _check_loss(loss_fn: LossFn, params: Any, batch: Batch, index: int, jit: bool) -> None:
+    """loss_fn's output on micro-batch ``index`` (traced without running, or run where jit is
+    off: loss_fn may need concrete values then): a float scalar."""
+    out = guarded(index, "loss_fn", jit, jax.eval_shape if jit else _call, loss_fn, params, batch)
+    if isinstance(out, (tuple, list)):
+        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} of {len(out)} items on micro-batch "
+                              f"{index}; it must return the scalar loss alone (wrap it: lambda p, b: loss_fn(p, b)[0])")
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} on micro-batch {index}, not an array; "
+                              "return the scalar loss")
+    if tuple(shape) != ():
+        raise AccumcheckError(f"check: loss_fn returned an array of shape {tuple(shape)} on micro-batch {index}, not "
+                              "a scalar; reduce it to the loss (e.g. .mean()) inside loss_fn")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise AccumcheckError(f"check: loss_fn returned a {np.dtype(dtype).name} scalar on micro-batch {index}; "
+                              "the loss must be a float to be differentiated")
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def guarded(index: int, what: str, jit: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its exception (not an AccumcheckError) turned into one line naming the
+    micro-batch."""
+    try:
+        return fn(*args)
+    except AccumcheckError:
+        raise
+    except Exception as exc:
+        hint = "check that loss_fn(params, batch) takes your params and batches"
+        traced = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
+        if jit and (isinstance(exc, traced) or "is not a valid JAX type" in str(exc)):
+            hint += "; under jit loss_fn is traced: pass jit=False if it needs concrete values"
+        raise AccumcheckError(f"check: {what} raised {type(exc).__name__} on micro-batch {index}: "
+                              f"{_first_line(exc)[:300]}; {hint}") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+
+
+def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int], Batch], steps: int, jit: bool,
+                    progress: Progress | None) -> tuple[dict[str, np.ndarray], float]:
+    """The micro-gradients of a float64 copy of params (float inputs of the batches in float64
+    too) summed in float64, and the mean loss; JAX's x64 mode for this pass only."""
+    with enable_x64():
+        params = tree.tree(tree.arrays(jnp.float64))
+        grad_of = _grad_function(loss_fn, jit)
+        sums = {name: np.zeros(leaf.shape) for name, leaf in zip(tree.names, tree.leaves)}
+        loss_sum = 0.0
+        for index in range(steps):
+            batch = _float64_batch(guarded(index, "batches", jit, get_batch, index))
+            try:
+                loss, grads = grad_of(params, batch)
+                loss_sum += float(loss)
+            except Exception as exc:
+                raise AccumcheckError(f"check: oracle=True runs loss_fn on a float64 copy of params (JAX's x64 mode) "
+                                      f"and it raised {type(exc).__name__} on micro-batch {index}: "
+                                      f"{_first_line(exc)[:300]}; let loss_fn follow its params' dtype, or run "
+                                      "without oracle") from exc
+            for name, g in tree.flat(grads).items():
+                sums[name] += np.asarray(g, np.float64)
+            if progress is not None:
+                progress("float64 oracle", index + 1, steps)
+    return sums, loss_sum / steps
+
+
+def _float64_batch(batch: Batch) -> Batch:
+    """The batch with its float arrays in float64 (new arrays), everything else as it is."""
+    def wide(leaf: Any) -> Any:
+        dtype = getattr(leaf, "dtype", None)
+        if hasattr(leaf, "shape") and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            return jnp.asarray(leaf, jnp.float64)
+        return leaf
+
+    return jax.tree_util.tree_map(wide, batch)
+
+
+def _replay(micro: MicroSteps, wide: Callable[[], Any], steps: int, progress: Progress | None,
+            names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    """The micro-gradients of ``names`` again (the judge's second pass): the same compiled
+    gradient of the same arrays and batches, so bit for bit those the run fed both modes. The x64
+    mode, where used, is switched on around each micro-step only, never across a ``yield``."""
+    for index in range(steps):
+        with wide():
+            _, grads = micro(index)
+            grads = {name: host_float(grads[name]).copy() for name in names}
+        yield grads
+        if progress is not None:
+            progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
+
+
+def _check_arguments(loss_fn: Any, batches: Any, oracle: Any, inject: Any, jit: Any, grad_mean: Any) -> None:
+    if not callable(loss_fn):
+        raise AccumcheckError(f"check: loss_fn must be a function loss_fn(params, batch) -> scalar loss, got a "
+                              f"{type(loss_fn).__name__} (the JAX order is check(loss_fn, params, batches))")
+    if batches is None:
+        raise AccumcheckError("check: batches is missing; pass the micro-batches (a sequence, an iterable or a "
+                              "function of the micro-step index)")
+    for name, value in (("oracle", oracle), ("jit", jit), ("grad_mean", grad_mean)):
+        if not isinstance(value, bool):
+            raise AccumcheckError(f"check: {name} must be True or False, got {value!r}")
+    if inject is not None and not isinstance(inject, str):
+        raise AccumcheckError(f"check: inject must be a text such as 'scale' or 'drop-step:NAME', got {inject!r}")
+
+
+def _versions() -> dict[str, str]:
+    import jaxlib
+    import optax
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
+
+
+def _device(flat: dict[str, Any]) -> str:
+    devices = {device_name(d) for array in flat.values() for d in array.devices()}
+    return ", ".join(sorted(devices))
+
+
+def _settings(steps: int, jit: bool, grad_mean: bool, accum_dtype: str) -> dict[str, Any]:
+    return {"jit": jit, "use_grad_mean": grad_mean, "native_allowance": "for MultiSteps' running mean (see notes)",
+            "native": f"optax.MultiSteps(optax.sgd(1.0), every_k_schedule={steps}, use_grad_mean={grad_mean}) "
+                      "initialised on your params: its accumulator, read from the emitted update",
+            "manual": f"jax.tree_util.tree_map(acc + g) into a {accum_dtype} buffer"}
+
+
+def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]:
+    notes = ["loss_fn gradient jit-compiled" if jit else "op by op (no jit)"]
+    if grad_mean:
+        notes.append(harmonic_note(steps))
+    counts = Counter(tree.dtypes.values())
+    if len(counts) > 1:
+        notes.append("mixed parameter dtypes (" + ", ".join(f"{counts[d]} {d}" for d in sorted(counts))
+                     + "), each judged by its own; MultiSteps' accumulator keeps each parameter's dtype")
+    elif tree.param_dtype != "float32":
+        notes.append(f"MultiSteps' accumulator takes the parameters' dtype ({tree.param_dtype})")
+    if tree.accum_dtype == "float64":
+        notes.append("float64 parameters: the check ran in JAX's x64 mode (jax.experimental.enable_x64)")
+    return notes

@@ -1,0 +1,271 @@
+"""accumcheck.jax.check on JAX models written here as people write them (flax-like nested dicts,
+haiku-like dicts with lists): faithful at N = 16, every fault kind flagged on the injected tensor
+and only there, bfloat16 parameters losing precision in MultiSteps' own accumulator, and the
+user's params, batches and JAX's x64 flag left as found."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+import accumcheck.jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from attribution_checks import assert_explained  # noqa: E402
+
+import accumcheck  # noqa: E402
+from accumcheck.options import FAULT_KINDS  # noqa: E402
+
+N = 16
+FAULTS = [kind for kind in FAULT_KINDS if kind != "roundoff"]
+FAITHFUL = {"round-off", "identical"}
+
+
+def mlp_params(dtype=jnp.float32):
+    """A flax-like variables dict: {"params": {"Dense_0": {"kernel", "bias"}, ...}}."""
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    tree = {"params": {"Dense_0": {"kernel": jax.random.normal(k[0], (8, 16)) * 0.3,
+                                   "bias": jax.random.normal(k[1], (16,)) * 0.1},
+                       "LayerNorm_0": {"scale": jnp.ones(16), "bias": jnp.zeros(16)},
+                       "Dense_1": {"kernel": jax.random.normal(k[2], (16, 4)) * 0.3, "bias": jnp.zeros(4)}}}
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)
+
+
+def mlp_loss(params, batch):
+    x, y = batch
+    p = params["params"]
+    h = jnp.tanh(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    mean = h.mean(-1, keepdims=True)
+    h = (h - mean) / jnp.sqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+    h = h * p["LayerNorm_0"]["scale"] + p["LayerNorm_0"]["bias"]
+    logits = h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def mlp_batches(count=N):
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((6, 8)).astype(np.float32), rng.integers(0, 4, 6).astype(np.int32))
+            for _ in range(count)]
+
+
+def embed_params():
+    """A haiku-like dict with a list of layers: names embed.embeddings, layers.0.w, ..."""
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    return {"embed": {"embeddings": jax.random.normal(k[0], (20, 8)) * 0.5},
+            "layers": [{"w": jax.random.normal(k[1], (8, 8)) * 0.3, "b": jnp.zeros(8)},
+                       {"w": jax.random.normal(k[2], (8, 3)) * 0.3, "b": jnp.zeros(3)}]}
+
+
+def embed_loss(params, batch):
+    tokens, labels = batch["tokens"], batch["labels"]
+    h = jnp.take(params["embed"]["embeddings"], tokens, axis=0)
+    first, last = params["layers"]
+    h = jax.nn.gelu(h @ first["w"] + first["b"])
+    logits = h @ last["w"] + last["b"]
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1)
+    return -jnp.mean(picked)
+
+
+def embed_batches(count=N):
+    rng = np.random.default_rng(1)
+    return [{"tokens": rng.integers(0, 20, (4, 6)).astype(np.int32), "labels": rng.integers(0, 3, (4, 6)).astype(np.int32)}
+            for _ in range(count)]
+
+
+def snapshot(tree):
+    """Every leaf's dtype, shape and bytes: a bitwise picture."""
+    return [(str(leaf.dtype), leaf.shape, np.asarray(leaf).tobytes()) for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def verdicts(report):
+    return {t.name: t.verdict for t in report.tensors}
+
+
+def flagged(report):
+    return [t.name for t in report.flagged]
+
+
+def test_a_flax_like_mlp_is_faithful_and_its_tensors_are_named_from_their_paths():
+    report = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), accum_steps=N)
+    assert report.exit_code == 0 and set(verdicts(report).values()) <= FAITHFUL, verdicts(report)
+    accumcheck.assert_faithful(report)
+    assert {t.name: t.kind for t in report.tensors} == {
+        "params.Dense_0.bias": "bias", "params.Dense_0.kernel": "weight", "params.Dense_1.bias": "bias",
+        "params.Dense_1.kernel": "weight", "params.LayerNorm_0.bias": "norm", "params.LayerNorm_0.scale": "norm"}
+    assert report.framework == "jax" and report.param_dtype == "float32" and report.accum_dtype == "float32"
+    assert report.accum_steps == N and report.config == {"model": "mlp_loss", "loss": "loss_fn"}
+    assert "every_k_schedule=16" in report.settings["native"] and "mlp_loss" in report.reproduce_command()
+
+
+def test_an_embedding_model_with_a_list_of_layers_is_faithful():
+    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches())
+    assert report.exit_code == 0 and set(verdicts(report).values()) <= FAITHFUL, verdicts(report)
+    assert {t.name: t.kind for t in report.tensors} == {
+        "embed.embeddings": "embedding", "layers.0.b": "bias", "layers.0.w": "weight", "layers.1.b": "bias",
+        "layers.1.w": "weight"}
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_every_fault_is_flagged_on_the_injected_tensor_only(kind):
+    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches(), inject=f"{kind}:layers.0.w")
+    assert flagged(report) == ["layers.0.w"], (kind, verdicts(report))
+    assert report.exit_code == 1 and report.inject.startswith(f"{kind}:layers.0.w")
+    if kind != "bf16":  # MultiSteps' running mean rounded to bfloat16 is not a running sum's pattern
+        assert_explained(report.flagged[0], kind, N)  # the second pass (replay) names the fault
+
+
+def test_a_bfloat16_running_sum_is_explained_and_the_default_target_is_the_embedding():
+    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches(), inject="bf16", grad_mean=False)
+    assert flagged(report) == ["embed.embeddings"]
+    assert_explained(report.flagged[0], "bf16", N)
+    assert report.config == {"model": "embed_loss", "loss": "loss_fn", "inject": "bf16", "grad_mean": False}
+
+
+def test_the_roundoff_control_is_not_flagged():
+    for loss_fn, params, batches, target in ((embed_loss, embed_params(), embed_batches(), "embed.embeddings"),
+                                             (mlp_loss, mlp_params(), mlp_batches(), "params.Dense_1.kernel")):
+        report = accumcheck.jax.check(loss_fn, params, batches, inject=f"roundoff:{target}")
+        assert report.exit_code == 0 and report.inject.startswith("roundoff"), verdicts(report)
+
+
+def test_bfloat16_parameters_lose_precision_in_multisteps_and_the_float32_buffer_keeps_it():
+    report = accumcheck.jax.check(mlp_loss, mlp_params(jnp.bfloat16), mlp_batches())
+    assert report.param_dtype == "bfloat16" and report.accum_dtype == "float32" and report.exit_code == 1
+    assert set(verdicts(report).values()) == {"precision-loss"}, verdicts(report)
+    for t in report.tensors:
+        assert t.precision_ratio is not None
+        assert t.err_ulps_native > 100 and t.err_ulps_manual <= 1.0  # in float32 ulps of E
+        assert t.ratio_manual <= 1.0
+    assert "MultiSteps' accumulator takes the parameters' dtype (bfloat16)" in report.notes
+
+
+def test_float16_parameters_lose_precision_too():
+    report = accumcheck.jax.check(mlp_loss, mlp_params(jnp.float16), mlp_batches())
+    assert report.param_dtype == "float16" and report.exit_code == 1
+    assert set(verdicts(report).values()) <= {"precision-loss", "identical"} and report.flagged
+
+
+def test_mixed_dtypes_are_each_judged_by_their_own():
+    params = mlp_params()
+    for layer in ("Dense_0", "Dense_1"):
+        params["params"][layer]["kernel"] = params["params"][layer]["kernel"].astype(jnp.bfloat16)
+    report = accumcheck.jax.check(mlp_loss, params, mlp_batches())
+    assert report.param_dtype == "float32" and report.accum_dtype == "float32"
+    for name, verdict in verdicts(report).items():
+        assert verdict == ("precision-loss" if name.endswith("kernel") else "round-off"), (name, verdict)
+    assert any(note.startswith("mixed parameter dtypes (2 bfloat16, 4 float32)") for note in report.notes)
+
+
+def test_float64_parameters_run_in_x64_mode_for_the_check_only():
+    params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), mlp_params())  # numpy: x64 is off here
+    before = snapshot(params)
+    report = accumcheck.jax.check(mlp_loss, params, mlp_batches(), inject="scale:params.Dense_0.kernel", oracle=True)
+    assert report.param_dtype == "float64" and report.accum_dtype == "float64"
+    assert flagged(report) == ["params.Dense_0.kernel"]
+    assert_explained(report.flagged[0], "scale", N)
+    assert jax.config.jax_enable_x64 is False and jnp.asarray(np.zeros(1)).dtype == jnp.float32
+    assert snapshot(params) == before
+
+
+def test_jit_off_gives_the_same_verdicts():
+    for inject in (None, "drop-step:params.Dense_1.kernel"):
+        on = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject)
+        off = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject, jit=False)
+        assert verdicts(off) == verdicts(on) and off.exit_code == on.exit_code
+        assert off.settings["jit"] is False and off.config["jit"] is False and "op by op (no jit)" in off.notes
+
+
+def test_the_users_params_batches_and_x64_flag_are_left_as_found():
+    params, batches = embed_params(), embed_batches()
+    numpy_params = jax.tree_util.tree_map(np.asarray, mlp_params())
+    before = snapshot(params), snapshot(batches), snapshot(numpy_params)
+    x64 = jax.config.jax_enable_x64
+    report = accumcheck.jax.check(embed_loss, params, batches, oracle=True, inject="double-step:layers.1.w")
+    assert flagged(report) == ["layers.1.w"] and report.oracle
+    assert all(t.oracle_err_native is not None and t.oracle_err_manual is not None for t in report.tensors)
+    assert report.losses["oracle_mean_loss"] == pytest.approx(report.losses["mean_loss"], rel=1e-5)
+    accumcheck.jax.check(mlp_loss, numpy_params, mlp_batches(), oracle=True)
+    assert (snapshot(params), snapshot(batches), snapshot(numpy_params)) == before
+    assert jax.config.jax_enable_x64 == x64 and jnp.asarray(np.zeros(1)).dtype == jnp.float32
+
+
+def float32_only(params, batch):
+    if params["w"].dtype != jnp.float32:
+        raise ValueError("this model runs in float32 only")
+    return jnp.sum(batch @ params["w"]) ** 2
+
+
+def non_scalar(params, batch):
+    return batch @ params["w"]
+
+
+def with_aux(params, batch):
+    return jnp.sum(batch @ params["w"]), {"aux": 1}
+
+
+def shapes_wrong(params, batch):
+    return jnp.sum(batch.T @ params["w"])
+
+
+def python_branch(params, batch):
+    loss = jnp.sum(batch @ params["w"])
+    return loss if loss > 0 else -loss
+
+
+W = {"w": jnp.ones((3, 2))}
+X = [np.ones((4, 3), np.float32)] * 4
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((float32_only, "w", X), {}, r"params leaf 'params' is a str, not an array"),
+    ((float32_only, {"w": jnp.ones(3, jnp.int32)}, X), {}, r"params leaf 'w' is int32; every array"),
+    ((float32_only, {"w": 1.0}, X), {}, r"params leaf 'w' is a float, not an array"),
+    ((float32_only, {"w": None}, X), {}, r"params holds no arrays"),
+    ((W, float32_only, X), {}, r"loss_fn must be a function .* check\(loss_fn, params, batches\)"),
+    ((float32_only, W, []), {}, r"batches is empty"),
+    ((float32_only, W, None), {}, r"batches is missing"),
+    ((float32_only, W, X), {"accum_steps": 8}, r"accum_steps=8 but only 4 batches were given"),
+    ((float32_only, W, X), {"accum_steps": 0}, r"accum_steps must be a positive integer"),
+    ((float32_only, W, lambda k: X[0]), {}, r"batches is a function; pass accum_steps"),
+    ((non_scalar, W, X), {}, r"loss_fn returned an array of shape \(4, 2\) on micro-batch 0, not a scalar"),
+    ((with_aux, W, X), {}, r"loss_fn returned a tuple of 2 items .* it must return the scalar loss alone"),
+    ((shapes_wrong, W, X), {}, r"loss_fn raised TypeError on micro-batch 0: .*takes your params and batches"),
+    ((python_branch, W, X), {}, r"loss_fn raised \w+ on micro-batch 0: .*pass jit=False"),
+    ((float32_only, W, X), {"inject": "scale:v"}, r"no parameter named 'v'; this case has w"),
+    ((float32_only, W, X), {"jit": "yes"}, r"jit must be True or False"),
+    ((float32_only, W, X), {"oracle": True}, r"oracle=True runs loss_fn on a float64 copy of params .* raised "
+                                             r"ValueError on micro-batch 0: this model runs in float32 only"),
+])
+def test_bad_input_is_one_clear_line(args, kwargs, match):
+    x64 = jax.config.jax_enable_x64
+    with pytest.raises(accumcheck.AccumcheckError, match=match) as info:
+        accumcheck.jax.check(*args, **kwargs)
+    assert "\n" not in str(info.value)
+    assert jax.config.jax_enable_x64 == x64
+
+
+def test_python_branches_run_with_jit_off_and_batches_may_be_a_function():
+    report = accumcheck.jax.check(python_branch, W, lambda k: X[0] * (k + 1), accum_steps=4, jit=False)
+    assert report.exit_code == 0 and report.accum_steps == 4
+
+
+def test_names_are_readable_and_unique():
+    from collections import namedtuple
+
+    from accumcheck.frameworks.jax.model_check import ParamTree
+
+    Pair = namedtuple("Pair", "w b")
+    tree = ParamTree({"a.b": jnp.ones(2), "a": {"b": jnp.ones(2)}, "t": (Pair(jnp.ones((2, 2)), jnp.ones(2)),)})
+    assert tree.names == ["['a']['b']", "['a.b']", "t.0.w", "t.0.b"]
+    assert ParamTree(jnp.ones((2, 2))).names == ["params"]
+
+
+def test_accumcheck_jax_exports_check_lazily_and_the_backend_hands_it_out():
+    from accumcheck.frameworks.jax.backend import JaxBackend
+    from accumcheck.frameworks.jax.model_check import check
+
+    assert accumcheck.jax.check is check and JaxBackend().model_check() is check
+    code = "import sys, accumcheck.jax; assert 'jax' not in sys.modules and 'optax' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
