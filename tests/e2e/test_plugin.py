@@ -10,7 +10,7 @@ from conftest import needs_torch
 # Import the frameworks here, once: pytester's in-process runs drop modules first imported inside
 # them, and a C extension such as torch cannot be imported a second time. Runs that compute with
 # torch go to a subprocess.
-for _framework in ("torch", "mxnet"):
+for _framework in ("torch", "mxnet", "jax"):
     if importlib.util.find_spec(_framework):
         importlib.import_module(_framework)
 
@@ -54,7 +54,7 @@ def test_fixtures_and_assertion_on_a_fresh_test_file(pytester):
 @pytest.mark.parametrize("args, message", [
     (["--accum-steps", "0"], "argument --accum-steps: '0' is not a positive integer"),
     (["--accum-steps", "16,x"], "argument --accum-steps: 'x' is not a positive integer"),
-    (["--accum-framework", "jax"], "argument --accum-framework: 'jax' is not a framework here (known: mxnet, torch)"),
+    (["--accum-framework", "tensorflow"], "argument --accum-framework: 'tensorflow' is not a framework here (known: "),
     (["--accum-device", "tpu"], "argument --accum-device: unknown device 'tpu'; use cpu, gpu, cuda or cuda:N"),
     (["--accum-case", "nope"], "argument --accum-case: unknown case 'nope'; built-in cases:"),
 ])

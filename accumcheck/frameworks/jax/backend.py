@@ -16,6 +16,10 @@ JIT = Option("jit", "jit", "JAX: jit-compile the gradient, the MultiSteps update
 GRAD_MEAN = Option("grad_mean", "grad-mean", "JAX: optax.MultiSteps(use_grad_mean=...), its running mean "
                    "(default: on, optax's default) or a running sum", switch=True)
 
+MASTER_WEIGHTS = Option("master_weights", "master-weights",
+                        "JAX, bfloat16: float32 master parameters, cast to bfloat16 in the forward; MultiSteps is "
+                        "initialised on them and accumulates in float32", default=False, switch=True)
+
 
 class JaxBackend(Backend):
     name = "jax"
@@ -23,7 +27,7 @@ class JaxBackend(Backend):
     preference = 2
     install = "pip install 'accumcheck[jax]'"
     capabilities = Capabilities(
-        dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN), replay=True,
+        dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN, MASTER_WEIGHTS), replay=True,
         why_not={"dtype": "it runs float32 and bfloat16 parameters",
                  "mode": "GradAccumulator modes are PyTorch's and MXNet's; JAX's native slot is optax.MultiSteps",
                  "full_batch": "the full-batch reference is not built for JAX",

@@ -96,12 +96,16 @@ def batch_arrays(case: Case, step: int, dtype: str, device: Any) -> tuple[Any, A
             tuple(case.gates(batch.index)))
 
 
-def grad_function(case: Case, jit: bool) -> Callable[..., Any]:
+def grad_function(case: Case, jit: bool, compute_dtype: str | None = None) -> Callable[..., Any]:
     """``f(params, inputs, labels, total, gates) -> ((loss, logits), grads)``, jit-compiled once
-    per route (``gates``) unless ``jit`` is False."""
+    per route (``gates``) unless ``jit`` is False. ``compute_dtype``: the forward casts the
+    parameters to it (float32 master weights for a bfloat16 model; their gradients come back in
+    the parameters' dtype, exactly)."""
     shapes = {p.name: p.shape for p in case.parameters()}
 
     def loss(params: dict[str, Any], inputs: Any, labels: Any, total: Any, gates: tuple[bool, ...]) -> Any:
+        if compute_dtype is not None:
+            params = {name: p.astype(DTYPES[compute_dtype]) for name, p in params.items()}
         logits = run_layers(case, inputs, params, JaxOps(gates), shapes)
         return case_loss(case, logits, labels, total), logits
 

@@ -60,7 +60,7 @@ def case_sums(config: RunConfig, params: dict[str, Any], device: Any, progress: 
     """The case's N micro-steps through ``accumulate``, and the logits of micro-batch 0."""
     case, steps = config.case, config.accum_steps
     jit = config.option("jit", True)
-    grad_of = grad_function(case, jit)
+    grad_of = grad_function(case, jit, config.dtype if _master_weights(config) else None)
     total = _total_tokens(case, steps)
     first: list[Any] = []
 
@@ -103,7 +103,7 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
     device = resolve_device(config.device)
     weights = case.weights() if weights is None else weights
     kinds = {p.name: p.kind for p in case.parameters()}
-    params = case_params(case, weights, config.dtype, device)
+    params = case_params(case, weights, "float32" if _master_weights(config) else config.dtype, device)
     sums = case_sums(config, params, device, progress, config.fault)
     oracle, losses = None, {"mean_loss": sums["loss"]}
     if config.oracle:
@@ -114,9 +114,18 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
                                 oracle=None if oracle is None else oracle[name])
               for name in weights]
     return RunResult(params=result, framework="jax", versions=versions, device=device_name(device),
-                     param_dtype=config.dtype, accum_dtype=config.accum_dtype,
+                     param_dtype="float32" if _master_weights(config) else config.dtype, accum_dtype=config.accum_dtype,
                      native_kernel_allowance=_allowance(config), losses=losses, settings=settings(config),
                      notes=notes(config), first_logits=sums["first_logits"])
+
+
+def _master_weights(config: RunConfig) -> bool:
+    if not config.option("master_weights", False):
+        return False
+    if config.dtype == "float32":
+        raise AccumcheckError("--master-weights: float32 parameters are their own master weights; "
+                              "give --dtype bfloat16 or drop --master-weights")
+    return True
 
 
 def _allowance(config: RunConfig) -> float:
@@ -136,7 +145,10 @@ def notes(config: RunConfig) -> list[str]:
     notes = ["jit" if config.option("jit", True) else "op by op (no jit)"]
     if config.option("grad_mean", True):
         notes.append(harmonic_note(config.accum_steps))
-    if config.dtype != "float32":
+    if _master_weights(config):
+        notes.append(f"float32 master weights cast to {config.dtype} in the forward: MultiSteps, initialised on "
+                     "them, accumulates in float32")
+    elif config.dtype != "float32":
         notes.append(f"MultiSteps' accumulator takes the parameters' dtype ({config.dtype})")
     return notes
 
@@ -147,8 +159,9 @@ def micro_gradients(config: RunConfig, names: list[str], progress: Progress | No
     gradient from the same weights: bit for bit those the run fed both modes)."""
     case, steps = config.case, config.accum_steps
     device = resolve_device(config.device)
-    params = case_params(case, case.weights() if weights is None else weights, config.dtype, device)
-    grad_of = grad_function(case, config.option("jit", True))
+    params = case_params(case, case.weights() if weights is None else weights,
+                         "float32" if _master_weights(config) else config.dtype, device)
+    grad_of = grad_function(case, config.option("jit", True), config.dtype if _master_weights(config) else None)
     total = _total_tokens(case, steps)
     for step in range(steps):
         inputs, labels, gates = batch_arrays(case, step, config.dtype, device)
