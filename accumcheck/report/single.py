@@ -181,7 +181,8 @@ def user_model_call(framework: str, config: dict[str, Any], accum_steps: int) ->
                 flags.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
         return f"accumcheck check {config['setup']} {' '.join(flags)}"
     loss = config.get("loss", "loss_fn")
-    head = {"loss_fn": "loss_fn, batches", "step": "batches=batches, step=step"}.get(loss, "batches=batches")
+    head = {"loss_fn": "loss_fn, batches", "step": "batches=batches, step=step",
+            "loss_fn(params, batch)": "params, batches"}.get(loss, "batches=batches")
     options = [f"accum_steps={accum_steps}"]
     for key, value in config.items():
         if key in ("model", "loss", "setup", "command_options"):

@@ -12,8 +12,8 @@ ROWS = {"`--dtype`": "dtypes", "`--accum-dtype`": "accum_dtypes", "`--mode`": "m
         "`--full-batch`": "full_batch", "`--memory-budget`": "memory_budget", "`--world-size`": "data_parallel"}
 
 
-def _table() -> dict[str, list[str]]:
-    text = DOC.read_text().split("## What MXNet runs here", 1)[1]
+def _table(doc: Path = DOC, heading: str = "## What MXNet runs here") -> dict[str, list[str]]:
+    text = doc.read_text().split(heading, 1)[1]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| `")]
     return {row[0]: row[1:] for row in rows}
@@ -36,3 +36,14 @@ def test_each_row_is_what_the_backends_declare(row, field):
         assert why and not why.startswith("("), (row, why)
     else:
         assert not why or why.startswith("("), (row, why)
+
+
+@pytest.mark.parametrize("row, field", ROWS.items())
+def test_docs_jax_table_is_what_the_jax_backend_declares(row, field):
+    table = _table(DOC.parent / "jax.md", "## What JAX runs here")
+    assert row in table, f"docs/jax.md has no row {row}"
+    torch, jax, why = table[row]
+    for cell, name in ((torch, "torch"), (jax, "jax")):
+        declared = getattr(get_backend(name, installed=False).capabilities, field)
+        assert _shown(cell) == declared, (row, name, cell, declared)
+    assert bool(why) == (_shown(jax) != _shown(torch)), (row, why)

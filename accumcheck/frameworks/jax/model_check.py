@@ -87,7 +87,7 @@ def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batc
     options = {"oracle": oracle or None, "inject": inject, "jit": None if jit else False,
                "grad_mean": None if grad_mean else False}
     name = getattr(loss_fn, "__name__", None)
-    config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn",
+    config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn(params, batch)",
               **{k: v for k, v in options.items() if v is not None}}
     return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
                         replay=partial(_replay, micro, wide, steps, progress))

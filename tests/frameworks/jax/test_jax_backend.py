@@ -145,3 +145,28 @@ def test_the_cli_runs_it():
     result = run_cli("compare", "--framework", "jax", "--case", "shared-weight", "--accum-steps", "16")
     assert result.returncode == 0, result.stderr
     assert "jax on cpu" in result.stdout and "faithful" in result.stdout
+
+
+@pytest.mark.parametrize("case", _fault_cases(("shared-weight",)))
+def test_three_frameworks_agree_on_every_case(case):
+    pytest.importorskip("torch")
+    pytest.importorskip("mxnet")
+    cross = accumcheck.compare(case, framework="torch,mxnet,jax", accum_steps=16)
+    assert cross.frameworks == ["torch", "mxnet", "jax"]
+    assert cross.exit_code == 0 and not cross.flagged and not cross.odd_frameworks
+    pairs = {tuple(a.frameworks) for a in cross.agreement}
+    assert pairs == {("torch", "mxnet"), ("torch", "jax"), ("mxnet", "jax")}
+    assert all(a.ratio <= 1.0 for a in cross.agreement)
+
+
+def test_a_jax_that_computes_another_function_is_named(monkeypatch):
+    """Negative control for the agreement: JAX's dense layer off by one part in 10^4."""
+    pytest.importorskip("torch")
+    pytest.importorskip("mxnet")
+    from accumcheck.frameworks.jax import model
+
+    dense = model.JaxOps.dense
+    monkeypatch.setattr(model.JaxOps, "dense", lambda self, x, w, b, units: dense(self, x, w * 1.0001, b, units))
+    cross = accumcheck.compare("shared-weight", framework="torch,mxnet,jax", accum_steps=16)
+    assert cross.exit_code == 1
+    assert set(cross.odd_frameworks.values()) == {"jax"} and cross.odd_frameworks

@@ -95,7 +95,8 @@ def test_a_flax_like_mlp_is_faithful_and_its_tensors_are_named_from_their_paths(
         "params.Dense_0.bias": "bias", "params.Dense_0.kernel": "weight", "params.Dense_1.bias": "bias",
         "params.Dense_1.kernel": "weight", "params.LayerNorm_0.bias": "norm", "params.LayerNorm_0.scale": "norm"}
     assert report.framework == "jax" and report.param_dtype == "float32" and report.accum_dtype == "float32"
-    assert report.accum_steps == N and report.config == {"model": "mlp_loss", "loss": "loss_fn"}
+    assert report.accum_steps == N and report.config == {"model": "mlp_loss", "loss": "loss_fn(params, batch)"}
+    assert report.reproduce_command() == f"accumcheck.jax.check(<your mlp_loss>, params, batches, accum_steps={N})"
     assert "every_k_schedule=16" in report.settings["native"] and "mlp_loss" in report.reproduce_command()
 
 
@@ -120,7 +121,7 @@ def test_a_bfloat16_running_sum_is_explained_and_the_default_target_is_the_embed
     report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches(), inject="bf16", grad_mean=False)
     assert flagged(report) == ["embed.embeddings"]
     assert_explained(report.flagged[0], "bf16", N)
-    assert report.config == {"model": "embed_loss", "loss": "loss_fn", "inject": "bf16", "grad_mean": False}
+    assert report.config == {"model": "embed_loss", "loss": "loss_fn(params, batch)", "inject": "bf16", "grad_mean": False}
 
 
 def test_the_roundoff_control_is_not_flagged():
