@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -51,7 +50,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from machine_info import cpu_family  # benchmarks/ is the script's folder
+from machine_info import cpu_family, write_result  # benchmarks/ is the script's folder
 
 CASE = "transformer-small"
 RESULT = Path(__file__).resolve().parent / "results" / "bench_core.json"
@@ -543,11 +542,7 @@ def main() -> int:
 
     result = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed, "overhead": over,
               "memory": mem, "comparator": comp, "mxnet": mxb, "data_parallel": dp, "targets": dict(TARGETS)}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
+    return write_result(args.json, result)
 
 
 if __name__ == "__main__":

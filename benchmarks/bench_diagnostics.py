@@ -35,7 +35,6 @@ runs nothing and imports no framework.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -232,11 +231,9 @@ def main() -> int:
     result = {"machine": info, "device": args.device, "steps": args.steps, "chunk": args.chunk, "reps": args.reps,
               "model": model,
               "load": {"before": before, "after": after}, "variants": variants, "aim": AIM}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
+    from machine_info import write_result  # benchmarks/ is the script's folder
+
+    return write_result(args.json, result)
 
 
 if __name__ == "__main__":

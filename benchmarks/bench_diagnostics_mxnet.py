@@ -27,7 +27,6 @@ this module runs nothing and imports no framework.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -209,11 +208,9 @@ def main() -> int:
     variants = summary({v: times[v] for v in VARIANTS}, args.steps, AIM, tuple(LOG_EVERY))
     result = {"machine": info, "steps": args.steps, "chunk": args.chunk, "reps": args.reps, "model": model,
               "load": {"before": before, "after": after}, "variants": variants, "aim": AIM}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
+    from machine_info import write_result  # benchmarks/ is the script's folder
+
+    return write_result(args.json, result)
 
 
 if __name__ == "__main__":

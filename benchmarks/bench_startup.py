@@ -123,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine(), "reps": args.reps, "median_s": median, "plugin_s": plugin,
               "plugin_quartiles_s": [quartiles[0], quartiles[2]], "import_s": package, "aim_s": AIM_S,
               "loaded": loaded}
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
+    from machine_info import write_result  # benchmarks/ is the script's folder
+
+    return write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,15 @@ def load() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def write_result(path: str, result: dict) -> int:
+    """A benchmark's figures as JSON at ``path`` (its folder made where missing); 0, the exit code."""
+    import json
+    from pathlib import Path
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {target}")
+    return 0
