@@ -61,7 +61,7 @@ def test_cases_lists_the_builtins():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["compare", "--framework", "jax"], "--framework: unknown framework 'jax'; choose one of mxnet, torch"),
+    (["compare", "--framework", "tensorflow"], "--framework: unknown framework 'tensorflow'; choose one of jax, mxnet, torch"),
     (["compare", "--device", "tpu"], "unknown device 'tpu'"),
     (["compare", "--case", "nope"], "unknown case 'nope'; built-in cases:"),
     (["compare", "--inject", "explode"], "unknown fault 'explode'; choose one of drop-step"),

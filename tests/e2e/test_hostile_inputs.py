@@ -206,7 +206,7 @@ ROWS: list[tuple[str, object]] = [
     ("compare --device tpu", Refused("unknown device 'tpu'")),
     ("compare --device cuda:x", Refused("unknown device 'cuda:x'")),
     ("compare --device cpu:0", Refused("unknown device 'cpu:0'")),
-    ("compare --framework jax", Refused("unknown framework 'jax'")),
+    ("compare --framework tensorflow", Refused("unknown framework 'tensorflow'")),
     ("compare --framework ,", Refused("--framework")),
     ("compare --framework torch,,mxnet", Refused("--framework")),
     ("compare --format yaml", Refused("argument --format: invalid choice: 'yaml'")),

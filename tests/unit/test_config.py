@@ -34,7 +34,7 @@ def test_a_config_is_resolved_and_frozen():
 @pytest.mark.parametrize("options, message", [
     ({"framework": "mxnet", "dtype": "bfloat16"}, "--dtype bfloat16: not available with the mxnet backend (it runs "
                                                   "float32 and float16: MXNet 1.x has no bfloat16 kernels for "
-                                                  "these operators); use --framework torch"),
+                                                  "these operators); use --framework jax or torch"),
     ({"framework": "mxnet", "case": "conditional-branch", "full_batch": True}, "routes each micro-batch through "
                                                                               "its conditional layers"),
     ({"framework": "mxnet", "world_size": 2}, "--world-size 2: not available with the mxnet backend"),
@@ -52,7 +52,7 @@ def test_a_config_is_resolved_and_frozen():
     ({"seed": -1}, "--seed: -1 is not a seed (an integer from 0 to 2**32 - 1, e.g. 0)"),
     ({"dtype": "float8"}, "--dtype: 'float8' is not one of float32, bfloat16, float16"),
     ({"device": "tpu"}, "--device: unknown device 'tpu'; use cpu, gpu, cuda or cuda:N"),
-    ({"framework": "jax"}, "--framework: unknown framework 'jax'; choose one of mxnet, torch"),
+    ({"framework": "tensorflow"}, "--framework: unknown framework 'tensorflow'; choose one of jax, mxnet, torch"),
     ({"inject": "double-step", "accum_steps": 1}, "--inject double-step needs --accum-steps 2 or more"),
     ({"colour": "red"}, "unknown option 'colour'; the options are framework, device, case"),
 ])
@@ -101,7 +101,7 @@ def test_the_builtin_backends_are_found_from_a_source_checkout_too(monkeypatch):
     monkeypatch.setattr(registry, "_instances", {})
     registry._entry_points.cache_clear()
     try:
-        assert registry.backend_names() == ["mxnet", "torch"]
+        assert registry.backend_names() == ["jax", "mxnet", "torch"]
         assert registry.get_backend("torch", installed=False).name == "torch"
     finally:
         registry._entry_points.cache_clear()

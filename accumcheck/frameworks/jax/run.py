@@ -25,9 +25,9 @@ from .multisteps import harmonic_note, mean_allowance
 
 def resolve_device(device: str) -> Any:
     """The jax device for "cpu", "gpu", "cuda", "gpu:N" or "cuda:N"; AccumcheckError if absent."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu":
+    if device == "cpu":
         return jax.devices("cpu")[0]
+    kind, _, index = device.partition(":")
     if kind not in ("gpu", "cuda") or (index and not index.isdigit()):
         raise AccumcheckError(f"--device: unknown device {device!r}; use cpu, gpu, cuda or cuda:N")
     try:
