@@ -96,11 +96,28 @@ def batch_arrays(case: Case, step: int, dtype: str, device: Any) -> tuple[Any, A
             tuple(case.gates(batch.index)))
 
 
+# The last few cases' gradient functions, by the case object itself: a run and its judge's second
+# pass (the same RunConfig) share one compiled function instead of compiling it twice.
+_COMPILED: dict[tuple[int, bool, str | None], tuple[Case, Callable[..., Any]]] = {}
+_KEPT = 4
+
+
 def grad_function(case: Case, jit: bool, compute_dtype: str | None = None) -> Callable[..., Any]:
     """``f(params, inputs, labels, total, gates) -> ((loss, logits), grads)``, jit-compiled once
     per route (``gates``) unless ``jit`` is False. ``compute_dtype``: the forward casts the
     parameters to it (float32 master weights for a bfloat16 model; their gradients come back in
     the parameters' dtype, exactly)."""
+    key = (id(case), jit, compute_dtype)
+    if key in _COMPILED and _COMPILED[key][0] is case:
+        return _COMPILED[key][1]
+    step = _grad_function(case, jit, compute_dtype)
+    _COMPILED[key] = (case, step)
+    while len(_COMPILED) > _KEPT:
+        del _COMPILED[next(iter(_COMPILED))]
+    return step
+
+
+def _grad_function(case: Case, jit: bool, compute_dtype: str | None) -> Callable[..., Any]:
     shapes = {p.name: p.shape for p in case.parameters()}
 
     def loss(params: dict[str, Any], inputs: Any, labels: Any, total: Any, gates: tuple[bool, ...]) -> Any:
