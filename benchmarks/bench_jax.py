@@ -82,8 +82,8 @@ def figures(result: dict) -> dict[str, str]:
     """The README's sentence, by name ``readme``."""
     m = result["machine"]
     return {"readme": f"{result['ratio']:.2f}× one plain `optax.MultiSteps` loop (`{result['case']}`, "
-                      f"N = {result['steps']}, jax {result['jax']}, {m['cores']}-core {cpu_family(m['cpu'])}; "
-                      f"`python benchmarks/bench_jax.py`)"}
+                      f"N = {result['steps']}; `benchmarks/bench_jax.py` on a {m['cores']}-core "
+                      f"{cpu_family(m['cpu'])})"}
 
 
 def main() -> int:
