@@ -42,7 +42,8 @@ class JaxBackend(Backend):
     def versions(self) -> dict[str, str]:
         import jax
         import jaxlib
-        import optax
+
+        from .library import optax
 
         return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
 

@@ -301,7 +301,8 @@ def _check_arguments(loss_fn: Any, batches: Any, oracle: Any, inject: Any, jit: 
 
 def _versions() -> dict[str, str]:
     import jaxlib
-    import optax
+
+    from .library import optax
 
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
 

@@ -20,9 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ...faults import Fault, FaultInjector
+from .library import optax
 
 
 def mean_allowance(accum_steps: int) -> float:

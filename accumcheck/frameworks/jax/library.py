@@ -1,0 +1,11 @@
+"""optax, imported once for the package: ``from .library import optax``."""
+
+import warnings
+
+with warnings.catch_warnings():
+    # chex 0.1.7 (the last beside numpy < 1.24) reads jax names jax 0.4.23 deprecates: its warnings,
+    # raised on optax's import, say nothing about the user's code.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import optax
+
+__all__ = ["optax"]
