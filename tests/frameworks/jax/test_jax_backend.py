@@ -39,14 +39,14 @@ def test_a_valid_reordering_is_not_a_bug(case):
 
 
 def test_a_running_sum_is_bit_for_bit_the_manual_buffer():
-    report = accumcheck.compare("transformer-small", framework="jax", accum_steps=16, grad_mean=False)
+    report = accumcheck.compare("embed-attention", framework="jax", accum_steps=16, grad_mean=False)
     assert report.settings["use_grad_mean"] is False
     assert all(t.verdict == "identical" for t in report.tensors)
     assert report.bound["native"]["kernel_allowance"] == 0.0
 
 
 def test_the_running_mean_differs_by_round_off_inside_its_allowance():
-    report = accumcheck.compare("transformer-small", framework="jax", accum_steps=32)
+    report = accumcheck.compare("embed-attention", framework="jax", accum_steps=32)
     assert report.exit_code == 0 and any(t.verdict == "round-off" for t in report.tensors)
     assert report.bound["native"]["kernel_allowance"] == pytest.approx(mean_allowance(32))
     assert max(t.ratio_native for t in report.tensors) < 0.5
@@ -105,7 +105,7 @@ def test_bfloat16_multisteps_is_precision_loss_in_float32_ulps():
 
 
 def test_float32_master_weights_fix_it():
-    report = accumcheck.compare("transformer-small", framework="jax", dtype="bfloat16", master_weights=True)
+    report = accumcheck.compare("embed-attention", framework="jax", dtype="bfloat16", master_weights=True)
     assert report.exit_code == 0 and report.param_dtype == "float32"
     assert any("master weights" in note for note in report.notes)
 

@@ -170,12 +170,12 @@ def test_float64_parameters_run_in_x64_mode_for_the_check_only():
     assert snapshot(params) == before
 
 
-def test_jit_off_gives_the_same_verdicts():
-    for inject in (None, "drop-step:params.Dense_1.kernel"):
-        on = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject)
-        off = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject, jit=False)
-        assert verdicts(off) == verdicts(on) and off.exit_code == on.exit_code
-        assert off.settings["jit"] is False and off.config["jit"] is False and "op by op (no jit)" in off.notes
+@pytest.mark.parametrize("inject", [None, pytest.param("drop-step:params.Dense_1.kernel", marks=pytest.mark.slow)])
+def test_jit_off_gives_the_same_verdicts(inject):
+    on = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject)
+    off = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject, jit=False)
+    assert verdicts(off) == verdicts(on) and off.exit_code == on.exit_code
+    assert off.settings["jit"] is False and off.config["jit"] is False and "op by op (no jit)" in off.notes
 
 
 def test_the_users_params_batches_and_x64_flag_are_left_as_found():
