@@ -86,6 +86,7 @@ def test_no_jit_gives_the_same_verdicts():
     assert [(t.name, t.verdict) for t in eager.tensors] == [(t.name, t.verdict) for t in jit.tensors]
 
 
+@pytest.mark.slow
 def test_a_float64_buffer_leaves_the_global_64_bit_mode_off():
     before = jax.config.jax_enable_x64
     report = accumcheck.compare("padded-tokens", framework="jax", accum_steps=16, accum_dtype="float64", oracle=True)
@@ -94,6 +95,7 @@ def test_a_float64_buffer_leaves_the_global_64_bit_mode_off():
     assert jax.config.jax_enable_x64 == before
 
 
+@pytest.mark.slow
 def test_bfloat16_multisteps_is_precision_loss_in_float32_ulps():
     report = accumcheck.compare("transformer-small", framework="jax", dtype="bfloat16")
     assert report.param_dtype == "bfloat16" and report.exit_code == 1

@@ -15,7 +15,7 @@ from accumcheck.torch import GradAccumulator  # noqa: E402
 F32 = np.float32
 
 
-@pytest.mark.parametrize("steps", [16, 32, 256])
+@pytest.mark.parametrize("steps", [16, 32, pytest.param(256, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", builtin_case_names())
 def test_compensated_mode_is_within_half_a_float32_ulp_of_e(case, steps):
     """docs/precision.md: within 0.5 float32 ulp of E, as a correctly rounded sum would be."""

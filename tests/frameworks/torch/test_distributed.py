@@ -117,6 +117,7 @@ def _comparable(path):
     return data, parallel, launcher
 
 
+@pytest.mark.slow
 def test_torchrun_gives_the_same_report_as_world_size_two(tmp_path):
     spawned = run_cli("compare", "--case", "shared-weight", "--world-size", "2", "--inject", "scale",
                       "--inject-rank", "1", "--format", "json", "--output", str(tmp_path / "spawned.json"))
