@@ -27,7 +27,8 @@ class JaxBackend(Backend):
     preference = 2
     install = "pip install 'accumcheck[jax]'"
     capabilities = Capabilities(
-        dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN, MASTER_WEIGHTS), replay=True,
+        dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN, MASTER_WEIGHTS),
+        replay=True,
         why_not={"dtype": "it runs float32 and bfloat16 parameters",
                  "mode": "GradAccumulator modes are PyTorch's and MXNet's; JAX's native slot is optax.MultiSteps",
                  "full_batch": "the full-batch reference is not built for JAX",
@@ -40,12 +41,9 @@ class JaxBackend(Backend):
         return kind == "cpu" or has_gpu()
 
     def versions(self) -> dict[str, str]:
-        import jax
-        import jaxlib
+        from .library import versions
 
-        from .library import optax
-
-        return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
+        return versions()
 
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:

@@ -1,4 +1,4 @@
-"""optax, imported once for the package: ``from .library import optax``."""
+"""optax, imported once for the package (``from .library import optax``), and the versions a report records."""
 
 import warnings
 
@@ -8,4 +8,14 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import optax
 
-__all__ = ["optax"]
+
+
+def versions() -> dict[str, str]:
+    """The versions a JAX report records."""
+    import jax
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
+
+
+__all__ = ["optax", "versions"]

@@ -35,7 +35,8 @@ from ...judge import build_report
 from ...report import Report
 from ...usermodel import Batch, batch_source
 from .accumulate import accumulate, host_float
-from .multisteps import harmonic_note, mean_allowance
+from .library import versions
+from .multisteps import harmonic_note, mean_allowance, settings
 from .run import device_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -80,9 +81,9 @@ def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batc
                                   oracle=None if oracle_sums is None else oracle_sums[name],
                                   dtype=tree.dtypes[name] if mixed else None)
                 for name in tree.names],
-        framework="jax", versions=_versions(), device=_device(flat), param_dtype=tree.param_dtype,
+        framework="jax", versions=versions(), device=_device(flat), param_dtype=tree.param_dtype,
         accum_dtype=tree.accum_dtype, native_kernel_allowance=mean_allowance(steps) if grad_mean else 0.0,
-        losses=losses, settings=_settings(steps, jit, grad_mean, tree.accum_dtype),
+        losses=losses, settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
         notes=_notes(tree, steps, jit, grad_mean))
     options = {"oracle": oracle or None, "inject": inject, "jit": None if jit else False,
                "grad_mean": None if grad_mean else False}
@@ -299,24 +300,9 @@ def _check_arguments(loss_fn: Any, batches: Any, oracle: Any, inject: Any, jit: 
         raise AccumcheckError(f"check: inject must be a text such as 'scale' or 'drop-step:NAME', got {inject!r}")
 
 
-def _versions() -> dict[str, str]:
-    import jaxlib
-
-    from .library import optax
-
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
-
-
 def _device(flat: dict[str, Any]) -> str:
     devices = {device_name(d) for array in flat.values() for d in array.devices()}
     return ", ".join(sorted(devices))
-
-
-def _settings(steps: int, jit: bool, grad_mean: bool, accum_dtype: str) -> dict[str, Any]:
-    return {"jit": jit, "use_grad_mean": grad_mean, "native_allowance": "for MultiSteps' running mean (see notes)",
-            "native": f"optax.MultiSteps(optax.sgd(1.0), every_k_schedule={steps}, use_grad_mean={grad_mean}) "
-                      "initialised on your params: its accumulator, read from the emitted update",
-            "manual": f"jax.tree_util.tree_map(acc + g) into a {accum_dtype} buffer"}
 
 
 def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]:

@@ -73,7 +73,7 @@ class MultiStepsNative:
             acc[target] = self.injector.after_add(step, acc[target])
             self.state = self.state._replace(acc_grads=acc)
         else:  # the accumulator is emitted (and zeroed) at the last step
-            self.updates = {**self.updates, self.fault.param: self.injector.after_add(step, self.updates[self.fault.param])}
+            self.updates = {**self.updates, target: self.injector.after_add(step, self.updates[target])}
 
     def totals(self) -> dict[str, np.ndarray]:
         """Each parameter's accumulated sum on the host (float32 for bfloat16 parameters, exactly)."""
@@ -93,3 +93,11 @@ def harmonic_note(accum_steps: int) -> str:
     return (f"MultiSteps keeps a running mean (acc + (g - acc)/(k+1)); native is judged as {accum_steps} x that "
             f"mean, its bound allowing {mean_allowance(accum_steps):.1f} u S for the mean's extra roundings")
 
+
+def settings(accum_steps: int, jit: bool, grad_mean: bool, accum_dtype: str,
+             initialised_on: str = "") -> dict[str, Any]:
+    """The report's settings of a JAX run: how native and manual were computed."""
+    return {"jit": jit, "use_grad_mean": grad_mean, "native_allowance": "for MultiSteps' running mean (see notes)",
+            "native": f"optax.MultiSteps(optax.sgd(1.0), every_k_schedule={accum_steps}, use_grad_mean={grad_mean})"
+                      f"{initialised_on}: its accumulator, read from the emitted update",
+            "manual": f"jax.tree_util.tree_map(acc + g) into a {accum_dtype} buffer"}

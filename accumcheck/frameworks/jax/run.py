@@ -21,6 +21,7 @@ from ...errors import AccumcheckError
 from .accumulate import accumulate, host_float
 from .model import batch_arrays, case_params, grad_function
 from .multisteps import harmonic_note, mean_allowance
+from .multisteps import settings as multisteps_settings
 
 
 def resolve_device(device: str) -> Any:
@@ -133,12 +134,8 @@ def _allowance(config: RunConfig) -> float:
 
 
 def settings(config: RunConfig) -> dict[str, Any]:
-    grad_mean = config.option("grad_mean", True)
-    return {"jit": config.option("jit", True), "use_grad_mean": grad_mean,
-            "native_allowance": "for MultiSteps' running mean (see notes)",
-            "native": f"optax.MultiSteps(optax.sgd(1.0), every_k_schedule={config.accum_steps}, "
-                      f"use_grad_mean={grad_mean}): its accumulator, read from the emitted update",
-            "manual": f"jax.tree_util.tree_map(acc + g) into a {config.accum_dtype} buffer"}
+    return multisteps_settings(config.accum_steps, config.option("jit", True), config.option("grad_mean", True),
+                               config.accum_dtype)
 
 
 def notes(config: RunConfig) -> list[str]:
