@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import tomllib
@@ -239,6 +240,7 @@ def builtin_cases() -> list[Case]:
     return [builtin_case(name) for name in builtin_case_names()]
 
 
+@functools.cache  # a Case is immutable; parsing and checking its TOML takes milliseconds
 def builtin_case(name: str) -> Case:
     folder = resources.files("accumcheck.builtin_cases")
     entry = folder / f"{name}.toml"

@@ -3,7 +3,8 @@
 Native accumulation is PyTorch's own: ``.grad`` accumulating across ``backward()`` calls. A hook
 on each parameter sees the micro-gradient before it is added (leaf-tensor hooks run before
 AccumulateGrad); after the backward the step is added into the manual buffer and the float64
-sums E and S (on the CPU, eight steps at a time from a ring of flat copies). The two modes see
+sums E and S (on the CPU, eight steps at a time: the micro-gradients themselves held, or flat
+copies of them). The two modes see
 the very same micro-gradients, and the memory held does not grow with the number of micro-steps.
 """
 
@@ -22,9 +23,8 @@ from ..hostsums import add_eight_steps, add_step
 from .accumulator import GradAccumulator
 from .model import case_loss, to_inputs
 
-# On the CPU, eight micro-steps are gathered into a ring of flat float32 buffers and added in one
-# pass, as long as the ring takes no more than HELD_BYTES: eight separate passes would read and
-# write manual, E and S eight times.
+# On the CPU, eight micro-steps are held and added in one pass, as long as they take no more than
+# HELD_BYTES: eight separate passes would read and write manual, E and S eight times.
 HELD_STEPS = 8
 HELD_BYTES = 16 * 2**20
 
@@ -34,14 +34,18 @@ class StepRecorder:
 
     During backward the hooks only keep a reference to each parameter's micro-gradient; after
     backward the step goes into flat buffers, instead of three small operations per parameter
-    inside the backward. On the CPU in float32: gathered into the ring and added every
-    ``HELD_STEPS`` steps in one compiled pass; without the ring (``hold_steps`` False, or a model
-    too large for it), one compiled pass per parameter and step where the gradient lies.
-    Otherwise one concatenation and one fused pass per step (three adds on CUDA). Each element
-    takes the same additions in the same order on every path."""
+    inside the backward. On the CPU in float32: ``HELD_STEPS`` steps are held and then added in
+    one compiled pass per parameter. ``hold_refs``: the micro-gradients themselves are held (a
+    model of plain operations, whose backward hands out fresh tensors nothing writes to later);
+    otherwise each step is copied into a ring of flat rows (a user's model, whose custom backward
+    might reuse a gradient's memory). Without holding (``hold_steps`` False, or a model too large),
+    one compiled pass per parameter and step where the gradient lies. Otherwise one concatenation
+    and one fused pass per step (three adds on CUDA). Each element takes the same additions in the
+    same order on every path."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
-                 reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True) -> None:
+                 reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
+                 hold_refs: bool = False) -> None:
         self.params = params
         # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
         self.reduce_step = reduce_step
@@ -56,40 +60,48 @@ class StepRecorder:
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
         self.ring = self.views = self.step = None
-        self.filled = 0  # ring rows holding a step not yet added
+        self.held: list[list[Any]] = []  # per micro-step not yet added: each parameter's flat float32 gradient
+        self.hold_refs = hold_refs
         # (Adding on a second thread beside the next forward was measured slower: torch's threads
         # want both cores.)
         host = (first.device.type == "cpu" and reduce_step is None and self.manual.dtype in (torch.float32, torch.float64)
                 and all(p.dtype == torch.float32 for p in params.values()))
-        if host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES:
+        self.holds = host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES
+        if host:
+            self.views = [tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
+                          for _, span in self._spans()]
+        if self.holds and not hold_refs:
             self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32)
             # Each row as one view per parameter: one foreach copy fills a row (measured faster
             # than torch.cat into it, which copies input by input).
             self.rows = [[self.ring[row, span].view(params[name].shape) for name, span in self._spans()]
                          for row in range(HELD_STEPS)]
-        elif host:
-            self.views = {name: tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
-                          for name, span in self._spans()}
-        else:
+            self.row_arrays = [[view.numpy().reshape(-1) for view in row] for row in self.rows]
+        elif not host:
             self.step = torch.empty(total, dtype=step_dtype, device=first.device)
 
     def flush(self) -> None:
-        """Add the step just finished into manual, E and S (on the ring, once it is full)."""
+        """Add the step just finished into manual, E and S (once HELD_STEPS steps are held)."""
         grads = self.grads
         if len(grads) < len(self.params):  # a parameter unused in this micro-step
             for name, p in self.params.items():
                 if name not in grads:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
-        if self.ring is not None:
-            torch._foreach_copy_(self.rows[self.filled], [grads[name] for name in self.params])
+        if self.holds:
+            if self.hold_refs:
+                # Plain operations hand every backward a fresh gradient that nothing writes to
+                # afterwards (the hook's reference also keeps AccumulateGrad from adopting it as .grad).
+                self.held.append([grads[name].detach().numpy().reshape(-1) for name in self.params])
+            else:
+                torch._foreach_copy_(self.rows[len(self.held)], [grads[name] for name in self.params])
+                self.held.append(self.row_arrays[len(self.held)])
             grads.clear()
-            self.filled += 1
-            if self.filled == HELD_STEPS:
-                self._add_ring()
+            if len(self.held) == HELD_STEPS:
+                self._add_held()
             return
         if self.views is not None:
-            for name, (manual, exact, absum) in self.views.items():
+            for name, (manual, exact, absum) in zip(self.params, self.views):
                 add_step(grads[name].detach().numpy().reshape(-1), manual, exact, absum)
             grads.clear()
             return
@@ -106,15 +118,16 @@ class StepRecorder:
             self.exact.add_(self.step)
             self.absum.add_(self.step.abs_())
 
-    def _add_ring(self) -> None:
-        """The steps on the ring, in their order, into manual, E and S."""
-        rows, sums = self.ring.numpy(), (self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
-        if self.filled == HELD_STEPS:
-            add_eight_steps(*rows, *sums)
-        else:
-            for row in rows[:self.filled]:
-                add_step(row, *sums)
-        self.filled = 0
+    def _add_held(self) -> None:
+        """The steps held, in their order, into manual, E and S, parameter by parameter."""
+        for index, sums in enumerate(self.views):
+            steps = [step[index] for step in self.held]
+            if len(steps) == HELD_STEPS:
+                add_eight_steps(*steps, *sums)
+            else:
+                for grad in steps:
+                    add_step(grad, *sums)
+        self.held.clear()
 
     def _spans(self) -> Iterator[tuple[str, slice]]:
         offset = 0
@@ -124,8 +137,8 @@ class StepRecorder:
 
     def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
         """Per-parameter (manual, exact, absum) views of the flat buffers, every step added."""
-        if self.filled:
-            self._add_ring()
+        if self.held:
+            self._add_held()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
 
@@ -161,7 +174,7 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
         return case_loss(case, logits, labels, total)
 
     result = accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
-                        accum_dtype, mode, hold_steps=params is None)
+                        accum_dtype, mode, hold_steps=params is None, hold_refs=True)
     result["first_logits"] = first[0] if first else None
     return result
 
@@ -169,7 +182,8 @@ def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault |
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
                step_context: Callable[[int], Any] | None = None,
-               reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True) -> dict[str, Any]:
+               reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
+               hold_refs: bool = False) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
     ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
@@ -178,10 +192,11 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
     (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
     the manual buffer adds (its all-reduced mean). ``hold_steps`` False: nothing kept beyond one
-    micro-step (a memory budget's groups; see StepRecorder). Returns {"buffers": name -> (manual, exact, absum),
+    micro-step (a memory budget's groups); ``hold_refs``: the micro-gradients are held, not copied
+    (a built-in model; see StepRecorder). Returns {"buffers": name -> (manual, exact, absum),
     "native": name -> accumulated .grad, "loss": mean loss, "steps_with_grad": name -> micro-steps
     with a gradient, for the parameters that missed some}."""
-    recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps)
+    recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps, hold_refs)
     handles = []
     state = {"step": 0}
     injector = None

@@ -1,7 +1,7 @@
 """What a PyTorch run holds beside the model per tensor (``accumcheck.budget``): the StepRecorder's
 manual buffer, E and S, its flat step buffer and the micro-gradients it keeps until the step is
 added, and the host copies the judge reads where it cannot read the tensors themselves. (A run
-under a budget keeps no ring of steps: ``accumulate``'s ``hold_steps``.)"""
+under a budget holds no steps: ``accumulate``'s ``hold_steps``.)"""
 
 from __future__ import annotations
 

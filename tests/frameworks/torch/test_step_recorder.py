@@ -1,5 +1,6 @@
 """The StepRecorder's manual buffer, E and S: every element takes every micro-step's addition in
-step order, whichever path adds them (eight steps at a time from the ring, or step by step)."""
+step order, whichever path adds them (eight steps at a time, held as references or as copies on
+the ring, or step by step)."""
 
 import numpy as np
 import pytest
@@ -35,16 +36,17 @@ def test_every_step_is_added_in_order_on_every_path(steps, accum):
     params = {name: torch.zeros(shape, requires_grad=True) for name, shape in shapes.items()}
     grads = _micro_gradients(shapes, steps, seed=steps)
     ring = StepRecorder(params, accum)
+    refs = StepRecorder(params, accum, hold_refs=True)
     per_step = StepRecorder(params, accum, hold_steps=False)
-    assert ring.ring is not None and per_step.ring is None and per_step.views is not None
-    for recorder in (ring, per_step):
+    assert ring.ring is not None and refs.ring is None and refs.holds and not per_step.holds
+    for recorder in (ring, refs, per_step):
         for index, step in enumerate(grads):
             # "bias" gets no gradient in micro-step 1: the recorder adds zeros and counts it
             recorder.grads.update({name: g for name, g in step.items() if not (index == 1 and name == "bias")})
             recorder.flush()
     if steps > 1:
         grads[1]["bias"] = torch.zeros(300)
-    for recorder in (ring, per_step):
+    for recorder in (ring, refs, per_step):
         assert recorder.missing == ({"bias": 1} if steps > 1 else {})
         for name in shapes:
             got = [t.reshape(-1).numpy() for t in recorder.buffers()[name]]
@@ -58,3 +60,21 @@ def test_a_model_too_large_for_the_ring_adds_step_by_step():
     big = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS) + 1, requires_grad=True)}
     small = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS), requires_grad=True)}
     assert StepRecorder(big).ring is None and StepRecorder(small).ring is not None
+
+
+@pytest.mark.parametrize("hold_refs", [True, False])
+def test_held_micro_gradients_are_the_ones_autograd_handed_out(hold_refs):
+    """Real backward passes, .grad accumulating: a held micro-gradient stays as it was while the
+    later steps run (AccumulateGrad must not adopt it as .grad and add into it)."""
+    from accumcheck.frameworks.torch.accumulate import accumulate
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 9, generator=gen, requires_grad=True)
+    inputs = [torch.randn(5, 40, generator=gen) * 10.0 ** k for k in range(-6, 7)]
+    result = accumulate({"weight": weight}, lambda k: (inputs[k] @ weight).pow(2).sum(), len(inputs), None, None,
+                        "test", hold_refs=hold_refs)
+    micro = [{"weight": torch.autograd.grad((x @ weight).pow(2).sum(), weight)[0]} for x in inputs]
+    got = [t.reshape(-1).numpy() for t in result["buffers"]["weight"]]
+    for have, want in zip(got, _expected(micro, "weight", np.dtype("float32"))):
+        assert np.array_equal(have, want)
+    assert weight.grad is not None and np.array_equal(weight.grad.reshape(-1).numpy(), got[0])
