@@ -14,6 +14,9 @@ own round-off scale):
                       multiplied by r at every micro-step, each micro-gradient scaled by a (MXNet
                       1.6.0's grad_req='add' with five gradient contributions: r = 16)
   narrower dtype      v = R - E, R the running total rounded to bfloat16 (float16) after every step
+  narrower mean       v = N M - E, M the running mean M + (g_k - M) / (k + 1) kept in bfloat16
+                      (float16), every operation rounded (optax.MultiSteps' default on bfloat16
+                      parameters)
 
 An explanation holds when what it leaves over, e - c v, is within the round-off bound in every
 element; of those that hold the best fit wins (fit = 1 - |e - c v|^2 / |e|^2), the simpler on a
@@ -58,7 +61,8 @@ ALTERNATIVES_SHOWN = 3
 # micro-steps is left out of the statistical score.
 REPEATED_SHARE = 4
 # Explanations in order of simplicity, for ties.
-_SIMPLICITY = ("drop-step", "repeat-step", "scale-step", "running-total", "scale-sum", "narrow-dtype", "growth")
+_SIMPLICITY = ("drop-step", "repeat-step", "scale-step", "running-total", "scale-sum", "narrow-dtype", "narrow-mean",
+               "growth")
 GROWTH = (2, 3, 4, 8, 16, 32, 64)
 # The growth family keeps two tensors per factor: only for tensors up to this many elements.
 GROWTH_ELEMENTS = 1 << 22
@@ -174,6 +178,7 @@ class TensorExamination:
         # sum_k r^(N-1-k) |T_k|: what the growth's own roundings are at most amplified to
         self.growth_scale = {r: np.zeros_like(exact) for r in GROWTH} if growth else {}
         self.narrow = {d: np.zeros(exact.shape, np.float32) for d in NARROW_DTYPES} if explain else {}
+        self.narrow_mean = {d: np.zeros(exact.shape, np.float32) for d in NARROW_DTYPES} if explain else {}
         self.replayed = np.zeros_like(exact)  # the replay's own E: it must equal the first pass's
         self.steps = 0
         # Terms that repeat one of the two before them, per element: their roundings are not random.
@@ -199,6 +204,12 @@ class TensorExamination:
         for dtype, total in self.narrow.items():
             total += g32.astype(np.float32)
             self.narrow[dtype] = _round_to(dtype, total)
+        for dtype, mean in self.narrow_mean.items():
+            # each operation in the dtype, the count too (in bfloat16, 257 is 256)
+            count = _round_to(dtype, np.array([k + 1], np.float32))
+            with np.errstate(over="ignore", invalid="ignore"):
+                step = _round_to(dtype, _round_to(dtype, g32.astype(np.float32) - mean) / count)
+                self.narrow_mean[dtype] = _round_to(dtype, mean + step)
         self.replayed += g
         self.repeats += (g == self.recent[0]) | (g == self.recent[1])
         self.recent = [g, self.recent[0]]
@@ -277,6 +288,11 @@ class TensorExamination:
             predicted = total.astype(np.float64) - self.exact
             c, share = fit.coefficient(predicted)
             consider(self._cause(mode, "narrow-dtype", None, c, share, self._residual(mode, c, predicted), dtype))
+        for dtype, mean in self.narrow_mean.items():
+            predicted = self.n * mean.astype(np.float64) - self.exact
+            if np.isfinite(predicted).all():
+                c, share = fit.coefficient(predicted)
+                consider(self._cause(mode, "narrow-mean", None, c, share, self._residual(mode, c, predicted), dtype))
         if found:  # the simplest of those that fit about as well as the best; the others as alternatives
             top = max(f[0] for f in found)
             tied = sorted((f for f in found if f[0] >= top - FIT_TIE), key=lambda f: -f[1])
@@ -368,6 +384,8 @@ def describe(kind: str, step: int | None, c: float, dtype: str | None, grad_scal
         return short, f"the running total added {again} at every micro-step (x{c:g} per step){scaled}"
     if kind == "narrow-dtype":
         return f"sum kept in {dtype}", f"the running total kept in {dtype}"
+    if kind == "narrow-mean":
+        return f"mean kept in {dtype}", f"the running mean kept in {dtype} (acc + (g - acc)/(k+1), each operation rounded)"
     raise ValueError(f"no words for an explanation of kind {kind!r}")
 
 

@@ -31,7 +31,8 @@ class Cause:
     running-total (the running total before micro-step ``step`` added ``factor`` more times),
     growth (the running total multiplied by ``factor`` at every micro-step, so added again
     factor - 1 times, each micro-gradient scaled by ``grad_scale``), narrow-dtype (the running
-    total kept in ``dtype``) or unexplained (none of these). ``fit`` is 1 - residual/difference
+    total kept in ``dtype``), narrow-mean (a running mean kept in ``dtype``) or unexplained (none
+    of these). ``fit`` is 1 - residual/difference
     in the round-off-weighted least-squares sense; ``residual_ratio`` is the worst element of what
     the explanation leaves over, against the round-off bound (<= 1: the rest is round-off)."""
 

@@ -72,6 +72,31 @@ def test_a_total_kept_in_float16_is_found_with_its_dtype():
     assert (t.cause.kind, t.cause.dtype) == ("narrow-dtype", "float16")
 
 
+def mean_kept_in(grads, rounding):
+    """N times a running mean M + (g_k - M) / (k + 1), every operation (the count too) rounded by
+    ``rounding`` (optax.MultiSteps' default accumulator on parameters of that dtype)."""
+    mean = np.zeros(grads.shape[1:], F32)
+    for k, g in enumerate(grads):
+        count = rounding(np.array(k + 1, F32))
+        mean = rounding((mean + rounding((rounding((g - mean).astype(F32)) / count).astype(F32))).astype(F32))
+    return (mean * F32(len(grads))).astype(F32)
+
+
+def test_a_mean_kept_in_bfloat16_is_found_with_its_dtype():
+    grads = micro()
+    t = tensor_of(mean_kept_in(grads, round_to_bfloat16), grads)
+    assert (t.cause.kind, t.cause.dtype) == ("narrow-mean", "bfloat16") and t.cause.words == "mean kept in bfloat16"
+    assert t.cause.fit > 0.999 and t.cause.residual_ratio <= 1 and t.cause.factor == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_mean_kept_in_float16_is_found_and_a_sum_is_not_taken_for_one():
+    grads = micro(shape=(32, 32)) * F32(0.01)
+    t = tensor_of(mean_kept_in(grads, lambda x: x.astype(np.float16).astype(F32)), grads)
+    assert (t.cause.kind, t.cause.dtype) == ("narrow-mean", "float16")
+    t = tensor_of(running(grads, after=round_to_bfloat16), grads)
+    assert t.cause.kind == "narrow-dtype" and "mean kept in bfloat16" not in (t.cause.alternatives or [])
+
+
 def test_the_whole_sum_scaled_is_a_constant_factor():
     grads = micro()
     t = tensor_of((running(grads) * F32(0.5)).astype(F32), grads)
@@ -205,7 +230,8 @@ def test_fail_on_decides_the_exit_code(fail_on, marginal_only, with_diverged, su
 
 
 def test_every_explanation_has_words():
-    for kind in ("repeat-step", "drop-step", "scale-step", "running-total", "scale-sum", "growth", "narrow-dtype"):
+    for kind in ("repeat-step", "drop-step", "scale-step", "running-total", "scale-sum", "growth", "narrow-dtype",
+                 "narrow-mean"):
         short, sentence = describe(kind, 3, 2.0, "bfloat16")
         assert short and sentence and len(short) <= 30
     assert describe("repeat-step", 8, 1.0, None) == ("step 8 counted twice", "micro-step 8 counted twice")

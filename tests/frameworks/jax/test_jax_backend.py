@@ -106,6 +106,15 @@ def test_bfloat16_multisteps_is_precision_loss_in_float32_ulps():
     assert any("accumulator takes the parameters' dtype (bfloat16)" in note for note in report.notes)
 
 
+@pytest.mark.parametrize("grad_mean, kind, words", [(True, "narrow-mean", "mean kept in bfloat16"),
+                                                    (False, "narrow-dtype", "sum kept in bfloat16")])
+def test_bfloat16_accumulator_is_named_as_what_it_keeps(grad_mean, kind, words):
+    report = accumcheck.compare("embed-attention", framework="jax", dtype="bfloat16", grad_mean=grad_mean)
+    assert report.exit_code == 1 and report.flagged
+    for t in report.flagged:
+        assert (t.cause.kind, t.cause.mode, t.cause.words) == (kind, "native", words) and t.cause.fit > 0.999, t.name
+
+
 def test_float32_master_weights_fix_it():
     report = accumcheck.compare("embed-attention", framework="jax", dtype="bfloat16", master_weights=True)
     assert report.exit_code == 0 and report.param_dtype == "float32"
@@ -168,6 +177,7 @@ def test_a_jax_that_computes_another_function_is_named(monkeypatch):
     from accumcheck.frameworks.jax import model
 
     dense = model.JaxOps.dense
+    monkeypatch.setattr(model, "_COMPILED", {})  # functions compiled before the patch would not see it
     monkeypatch.setattr(model.JaxOps, "dense", lambda self, x, w, b, units: dense(self, x, w * 1.0001, b, units))
     cross = accumcheck.compare("shared-weight", framework="torch,mxnet,jax", accum_steps=16)
     assert cross.exit_code == 1
