@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -204,6 +205,16 @@ class Backend(ABC):
         importing anything)."""
         return bool(self.package) and any(c.__module__.split(".")[0] == self.package for c in type(model).__mro__)
 
+    # The packages whose arrays make a loss function's parameters this framework's, for a backend
+    # whose check takes a loss function and its parameters instead of a model object.
+    array_packages: tuple[str, ...] = ()
+
+    def owns_parameters(self, params: Any) -> bool:
+        """Whether ``params`` (nested mappings, lists and tuples of arrays) hold this framework's
+        arrays, told by the first array's class, without importing anything."""
+        leaf = _first_leaf(params)
+        return leaf is not None and type(leaf).__module__.split(".")[0] in self.array_packages
+
     def model_check(self) -> Callable[..., Any] | None:
         """The check of a user's own model (``accumcheck.<name>.check``), where the backend has one."""
         return None
@@ -242,3 +253,17 @@ class StackWindow:
     window: dict[str, np.ndarray]
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
     predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
+
+
+def _first_leaf(tree: Any, depth: int = 0) -> Any:
+    """The first value of ``tree`` that is no mapping, list or tuple (None when there is none)."""
+    if depth > 32:
+        return None
+    items = tree.values() if isinstance(tree, Mapping) else tree if isinstance(tree, (list, tuple)) else None
+    if items is None:
+        return tree
+    for item in items:
+        leaf = _first_leaf(item, depth + 1)
+        if leaf is not None:
+            return leaf
+    return None

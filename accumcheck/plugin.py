@@ -204,7 +204,7 @@ def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Call
     budget = request.config.getoption("--accum-memory-budget")
 
     def check(model: Any, *args: Any, **kwargs: Any) -> Any:
-        fn = user_check(model, "accum_check")[1]
+        fn = user_check(model, "accum_check", args[0] if args else kwargs.get("params"))[1]
         if budget and "memory_budget" in inspect.signature(fn).parameters and not any(
                 kwargs.get(name) for name in UNBUDGETED):
             kwargs.setdefault("memory_budget", budget)

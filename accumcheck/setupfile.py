@@ -1,7 +1,8 @@
 """``accumcheck check FILE.py[:FUNCTION]``: your own model from a Python file. The function
 (default ``accumcheck_setup``) returns the keyword arguments of the model's framework's check
-(``accumcheck.<framework>.check``: at least ``model`` and ``batches``); the framework is the
-backend that owns the model's class."""
+(``accumcheck.<framework>.check``: at least ``model`` and ``batches``; JAX's ``loss_fn``,
+``params`` and ``batches``); the framework is the backend that owns the model's class, or the
+parameters' arrays of a loss function."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ from .registry import backend_names, get_backend
 DEFAULT_FUNCTION = "accumcheck_setup"
 
 
-def user_check(model: Any, what: str = "check") -> tuple[str, Callable[..., Any]]:
+def user_check(model: Any, what: str = "check", params: Any = None) -> tuple[str, Callable[..., Any]]:
     """The framework of ``model`` and its check (``accumcheck.<framework>.check``), told by the
-    model's class without importing a framework."""
+    model's class without importing a framework; a loss function (JAX's) by its ``params``' arrays."""
     for name in backend_names():
         backend = get_backend(name, installed=False)
-        if backend.owns(model):
+        if backend.owns(model) or (params is not None and callable(model) and backend.owns_parameters(params)):
             check = get_backend(name).model_check()  # now installed for certain: the model is one
             if check is None:
                 break
             return name, check
     able = [n for n in backend_names() if get_backend(n, installed=False).model_check is not Backend.model_check]
+    losses = [n for n in backend_names() if get_backend(n, installed=False).array_packages]
+    functions = f", or a loss function with its {' or '.join(losses)} parameters" if losses else ""
     raise AccumcheckError(f"{what}: {type(model).__name__} is not a model of a framework accumcheck checks here "
-                          f"({', '.join(able)}); pass a model of one of them")
+                          f"({', '.join(able)}); pass a model of one of them{functions}")
 
 
 def load_setup(target: str) -> dict[str, Any]:
@@ -53,9 +56,10 @@ def load_setup(target: str) -> dict[str, Any]:
         setup = make()
     except Exception as exc:
         raise AccumcheckError(f"check {target}: {function}() raised {type(exc).__name__}: {_first(exc)}") from exc
-    if not isinstance(setup, Mapping) or "model" not in setup or "batches" not in setup:
+    if (not isinstance(setup, Mapping) or "batches" not in setup
+            or not ("model" in setup or {"loss_fn", "params"} <= set(setup))):
         raise AccumcheckError(f"check {target}: {function}() must return a dict of check's arguments with at least "
-                              f"'model' and 'batches', got {type(setup).__name__}"
+                              f"'model' (JAX: 'loss_fn' and 'params') and 'batches', got {type(setup).__name__}"
                               + (f" with {', '.join(map(str, setup))}" if isinstance(setup, Mapping) else ""))
     return dict(setup)
 
@@ -64,15 +68,15 @@ def run_setup(target: str, setup: dict[str, Any], overrides: dict[str, Any], pro
     """The check of ``setup``'s model with the command line's ``overrides``; its Report records
     the command that reruns it."""
     setup = dict(setup)
-    model = setup.pop("model")
-    framework, check = user_check(model, f"check {target}")
-    accepted = set(inspect.signature(check).parameters)
+    model = setup.pop("model") if "model" in setup else setup.pop("loss_fn")
+    framework, check = user_check(model, f"check {target}", setup.get("params"))
+    first, *accepted = inspect.signature(check).parameters  # the model (JAX's: the loss function), then the rest
     for name in list(setup) + list(overrides):
         if name not in accepted:
             flag = "--" + name.replace("_", "-")
             raise AccumcheckError(f"check {target}: {flag if name in overrides else repr(name)} is not an argument of "
                                   f"accumcheck.{framework}.check "
-                                  f"(it takes {', '.join(sorted(accepted - {'model', 'block'}))})")
+                                  f"(it takes {', '.join(sorted(accepted))})")
     report = check(model, **{**setup, **overrides, "progress": progress})
     report.config["setup"] = target
     report.config["command_options"] = {k: v for k, v in overrides.items() if v is not None}

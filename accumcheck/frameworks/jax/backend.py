@@ -24,6 +24,7 @@ MASTER_WEIGHTS = Option("master_weights", "master-weights",
 class JaxBackend(Backend):
     name = "jax"
     package = "jax"
+    array_packages = ("jax", "jaxlib")  # jax.Array's class is jaxlib's ArrayImpl
     preference = 2
     install = "pip install 'accumcheck[jax]'"
     capabilities = Capabilities(
