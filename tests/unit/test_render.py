@@ -188,6 +188,33 @@ def test_csv_writes_the_cause_in_columns_of_its_own():
     assert [row["severity"] for row in rows] == ["marginal", "diverged", "", ""]
 
 
+def test_csv_of_three_frameworks_says_how_each_agrees_and_which_is_odd():
+    from accumcheck.judge.agreement import odd_one_out
+    from accumcheck.report import Agreement, CrossReport
+
+    def record(name, pair, ratio):
+        return Agreement(name=name, kind="weight", shape=[2], verdict="agree" if ratio <= 1 else "disagree",
+                         max_abs_diff=0.0, max_abs_diff_index=[0], max_ulps=0.0, ratio=ratio, worst_index=[0],
+                         bound_at_worst=1e-7, float32_err_a=0.0, float32_err_b=0.0, frameworks=pair)
+
+    frameworks = ["torch", "mxnet", "jax"]
+    # jax alone disagrees on embed.weight; every pair agrees on the other tensors
+    ratios = {("torch", "jax"): 7.0, ("mxnet", "jax"): 9.0}
+    pairs = [["torch", "mxnet"], ["torch", "jax"], ["mxnet", "jax"]]
+    agreement = [record(t.name, pair, ratios.get(tuple(pair), 0.25) if t.name == "embed.weight" else 0.5)
+                 for pair in pairs for t in mixed().tensors]
+    reports = [dataclasses.replace(mixed(), framework=f) for f in frameworks]
+    cross = CrossReport(frameworks=frameworks, reports=reports, agreement=agreement, forward=None, allowance=16.0,
+                        odd_one_out=odd_one_out(frameworks, agreement))
+    rows = {(row["framework"], row["name"]): row for row in csv.DictReader(io.StringIO(csv_rows(cross)))}
+    assert len(rows) == 12
+    columns = ("agreement_verdict", "agreement_ratio", "agreement_worst_with", "odd_one_out")
+    assert [rows["jax", "embed.weight"][c] for c in columns] == ["disagree", "9.0", "mxnet", "jax"]
+    assert [rows["torch", "embed.weight"][c] for c in columns] == ["disagree", "7.0", "jax", "jax"]
+    assert [rows["mxnet", "out.bias"][c] for c in columns] == ["agree", "0.5", "torch", ""]
+    assert "agreement_verdict" not in next(csv.DictReader(io.StringIO(csv_rows(mixed()))))  # one framework
+
+
 # ----------------------------------------------------------------------------- the pictures
 
 
