@@ -427,9 +427,6 @@ def test_loss_fn_and_step_together_and_no_batches_are_one_line():
     with pytest.raises(accumcheck.AccumcheckError) as excinfo:
         accumcheck.mxnet.check(_mlp(), SOFTMAX)
     _one_line(excinfo, "batches is required")
-    with pytest.raises(accumcheck.AccumcheckError) as excinfo:
-        accumcheck.mxnet.check(_mlp(), SOFTMAX, _features(), full_batch=True)
-    _one_line(excinfo, "full_batch", "not available", "PyTorch")
 
 
 def test_what_step_returns():

@@ -1,0 +1,123 @@
+"""A user's Gluon block in float64 (``check(full_batch=True)``): the gradient of its micro-batches
+accumulated, and of the same micro-batches joined into one batch. Both run on a float64 copy, so
+the block itself is not cast."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+
+from ...backend import FullBatchGap, Progress, window_scale
+from ...errors import AccumcheckError
+from ...usermodel import map_leaves, split_batch
+from .blockstate import clear_cached_ops, layers_for_check, materialised, unique_params
+from .library import mx
+from .passes import manual_pass
+
+MicroOf = Callable[[Any, Callable[[int], Any]], Callable[[int], tuple[Any, Any]]]
+
+
+def float64_twin(block: Any) -> Any:
+    """A float64 copy of ``block``: its parameters' values exactly, widened."""
+    clear_cached_ops(block)  # a hybridized block's cached graph holds C handles that cannot be copied
+    try:
+        twin = copy.deepcopy(block)
+    except Exception as exc:
+        raise AccumcheckError(f"check: full_batch needs a float64 copy of the block, and copy.deepcopy raised "
+                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                              "; run without full_batch") from exc
+    twin.cast("float64")
+    return twin
+
+
+def full_batch_gap(block: Any, micro_of: MicroOf, batches: list[Any], ctx: Any, collate: Callable[[list[Any]], Any] | None,
+                   loss_reduction: str, loss_fn_given: bool, train_mode: bool,
+                   progress: Progress | None = None) -> FullBatchGap:
+    """The float64 twin's accumulated gradient over ``batches`` (times 1/N for a "mean" loop) and
+    its gradient of the batches joined into one; ``micro_of(block, get_batch)`` is the check's
+    micro-step on another block."""
+    steps = len(batches)
+    whole = to_float64(join(batches, collate))
+    twin = float64_twin(block)
+    params = {name: p for name, p in unique_params(twin)[0].items() if materialised(p) and p.grad_req != "null"}
+    with layers_for_check(twin, train_mode):
+        micro = micro_of(twin, lambda k: to_float64(batches[k]))
+        _, exact, _, _, _ = manual_pass(params, micro, steps, ctx, progress, counts={})
+        joined = micro_of(twin, lambda _: whole)
+        for param in params.values():
+            param.zero_grad()
+        with mx.autograd.record():
+            loss, _ = joined(0)
+        loss.backward()
+        full = {name: p.grad(ctx).asnumpy().astype(np.float64) for name, p in params.items()}
+    scale, scaled_by = window_scale(loss_reduction, steps)
+    counts = [item_count(b, loss_fn_given) for b in batches]
+    return FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by=scaled_by,
+                        accumulated={name: np.asarray(g, np.float64) * scale for name, g in exact.items()}, full=full,
+                        item_counts=None if None in counts else counts)
+
+
+def to_float64(batch: Any) -> Any:
+    """Floating NDArrays and numpy arrays of ``batch`` as float64 NDArrays (``mx.nd.array`` would
+    make a numpy array float32); integer ones as they are."""
+    def widen(leaf: Any) -> Any:
+        if isinstance(leaf, mx.nd.NDArray) and np.issubdtype(np.dtype(leaf.dtype), np.floating):
+            return leaf.astype("float64")
+        if isinstance(leaf, np.ndarray) and np.issubdtype(leaf.dtype, np.floating):
+            return mx.nd.array(leaf, dtype="float64")
+        return leaf
+
+    return map_leaves(batch, widen)
+
+
+def join(batches: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
+    """N micro-batches as one: ``collate(batches)``, or arrays concatenated along axis 0 through
+    tuples, lists and mappings."""
+    if collate is not None:
+        try:
+            return collate(batches)
+        except Exception as exc:
+            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
+    return _concatenate(batches, "batch")
+
+
+def _concatenate(parts: list[Any], where: str) -> Any:
+    first = parts[0]
+    if isinstance(first, (mx.nd.NDArray, np.ndarray)):
+        if not all(isinstance(p, type(first)) for p in parts):
+            raise _cannot(where, f"is a {type(first).__name__} in some micro-batches only")
+        if len(first.shape) == 0 or any(p.shape[1:] != first.shape[1:] for p in parts):
+            shapes = sorted({tuple(p.shape) for p in parts})
+            raise _cannot(where, f"has shapes {shapes[0]} and {shapes[-1]}, which do not join along the batch axis "
+                                 "(pad every micro-batch to one length)")
+        return mx.nd.concat(*parts, dim=0) if isinstance(first, mx.nd.NDArray) else np.concatenate(parts)
+    if isinstance(first, Mapping):
+        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
+            raise _cannot(where, "is a dict with other keys in some micro-batches")
+        return {key: _concatenate([p[key] for p in parts], f"{where}[{key!r}]") for key in first}
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
+            raise _cannot(where, f"is a {type(first).__name__} of another length in some micro-batches")
+        return type(first)(_concatenate([p[i] for p in parts], f"{where}[{i}]") for i in range(len(first)))
+    if first is None and all(p is None for p in parts):
+        return None
+    raise _cannot(where, f"is a {type(first).__name__}, which does not join")
+
+
+def _cannot(where: str, why: str) -> AccumcheckError:
+    return AccumcheckError(f"full_batch: the micro-batches cannot be joined into one batch: {where} {why}; "
+                           "pass collate=lambda batches: one_batch")
+
+
+def item_count(batch: Any, loss_fn_given: bool) -> int | None:
+    """The items of a micro-batch: the elements of its target (``(inputs, target)`` with
+    ``loss_fn``), or None where the batch has none."""
+    if not loss_fn_given:
+        return None
+    _, target = split_batch(batch, True)
+    if isinstance(target, (mx.nd.NDArray, np.ndarray)) and len(target.shape) > 0:
+        return int(np.prod(target.shape))
+    return None
