@@ -123,3 +123,52 @@ def model_error(exc: Exception, index: int | str, what: str, calls: str = CALLS)
     where = f"micro-batch {index}" if isinstance(index, int) else index
     return AccumcheckError(f"check: {what} raised {type(exc).__name__} on {where}: {first[:300]}; "
                            f"check that the batches fit the model ({calls}), or pass step=lambda model, batch: loss")
+
+
+def join_batches(batches: list[Any], collate: Callable[[list[Any]], Any] | None, arrays: tuple[type, ...],
+                 concat: Callable[[list[Any]], Any], array_word: str) -> Any:
+    """N micro-batches as one batch (the full-batch check): ``collate(batches)``, or the arrays in
+    them (instances of ``arrays``, ``array_word`` in messages) joined by ``concat`` along the batch
+    axis, through tuples, lists and mappings; a value that is the same in every micro-batch stays."""
+    if collate is not None:
+        try:
+            return collate(batches)
+        except Exception as exc:
+            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
+    return _concatenate(batches, "batch", arrays, concat, array_word)
+
+
+def _concatenate(parts: list[Any], where: str, arrays: tuple[type, ...], concat: Callable[[list[Any]], Any],
+                 array_word: str) -> Any:
+    first = parts[0]
+    if isinstance(first, arrays):
+        if not all(isinstance(p, arrays) for p in parts):
+            raise _cannot(where, f"is a {array_word} in some micro-batches only")
+        if len(first.shape) == 0 or any(tuple(p.shape[1:]) != tuple(first.shape[1:]) for p in parts):
+            shapes = sorted({tuple(p.shape) for p in parts})
+            raise _cannot(where, f"has shapes {shapes[0]} and {shapes[-1]}, which do not join along the batch axis "
+                                 "(pad every micro-batch to one length)")
+        return concat(parts)
+
+    def inner(items: list[Any], at: str) -> Any:
+        return _concatenate(items, at, arrays, concat, array_word)
+
+    if isinstance(first, Mapping):
+        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
+            raise _cannot(where, "has different keys in different micro-batches")
+        return {k: inner([p[k] for p in parts], f"{where}[{k!r}]") for k in first}
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
+            raise _cannot(where, "has different lengths in different micro-batches")
+        items = [inner([p[i] for p in parts], f"{where}[{i}]") for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if all(p is None for p in parts):
+        return None
+    if all(type(p) is type(first) and p == first for p in parts):
+        return first  # the same setting in every micro-batch
+    raise _cannot(where, f"is a {type(first).__name__} that differs between micro-batches")
+
+
+def _cannot(where: str, why: str) -> AccumcheckError:
+    return AccumcheckError(f"full_batch: cannot join the micro-batches into one: {where} {why}; "
+                           "pass collate=lambda batches: one_batch")

@@ -5,14 +5,13 @@ the block itself is not cast."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 
 from ...backend import FullBatchGap, Progress, window_scale
 from ...errors import AccumcheckError
-from ...usermodel import map_leaves, split_batch
+from ...usermodel import join_batches, map_leaves, split_batch
 from .blockstate import clear_cached_ops, layers_for_check, materialised, unique_params
 from .library import mx
 from .passes import manual_pass
@@ -74,42 +73,15 @@ def to_float64(batch: Any) -> Any:
 
 
 def join(batches: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
-    """N micro-batches as one: ``collate(batches)``, or arrays concatenated along axis 0 through
-    tuples, lists and mappings."""
-    if collate is not None:
-        try:
-            return collate(batches)
-        except Exception as exc:
-            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
-    return _concatenate(batches, "batch")
+    """N micro-batches as one: ``collate(batches)``, or NDArrays and numpy arrays concatenated
+    along axis 0 through tuples, lists and mappings."""
+    def concat(parts: list[Any]) -> Any:
+        if all(isinstance(p, np.ndarray) for p in parts):
+            return np.concatenate(parts)
+        return mx.nd.concat(*(p if isinstance(p, mx.nd.NDArray) else mx.nd.array(p, dtype=p.dtype) for p in parts),
+                            dim=0)
 
-
-def _concatenate(parts: list[Any], where: str) -> Any:
-    first = parts[0]
-    if isinstance(first, (mx.nd.NDArray, np.ndarray)):
-        if not all(isinstance(p, type(first)) for p in parts):
-            raise _cannot(where, f"is a {type(first).__name__} in some micro-batches only")
-        if len(first.shape) == 0 or any(p.shape[1:] != first.shape[1:] for p in parts):
-            shapes = sorted({tuple(p.shape) for p in parts})
-            raise _cannot(where, f"has shapes {shapes[0]} and {shapes[-1]}, which do not join along the batch axis "
-                                 "(pad every micro-batch to one length)")
-        return mx.nd.concat(*parts, dim=0) if isinstance(first, mx.nd.NDArray) else np.concatenate(parts)
-    if isinstance(first, Mapping):
-        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
-            raise _cannot(where, "is a dict with other keys in some micro-batches")
-        return {key: _concatenate([p[key] for p in parts], f"{where}[{key!r}]") for key in first}
-    if isinstance(first, (tuple, list)):
-        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
-            raise _cannot(where, f"is a {type(first).__name__} of another length in some micro-batches")
-        return type(first)(_concatenate([p[i] for p in parts], f"{where}[{i}]") for i in range(len(first)))
-    if first is None and all(p is None for p in parts):
-        return None
-    raise _cannot(where, f"is a {type(first).__name__}, which does not join")
-
-
-def _cannot(where: str, why: str) -> AccumcheckError:
-    return AccumcheckError(f"full_batch: the micro-batches cannot be joined into one batch: {where} {why}; "
-                           "pass collate=lambda batches: one_batch")
+    return join_batches(batches, collate, (mx.nd.NDArray, np.ndarray), concat, "array")
 
 
 def item_count(batch: Any, loss_fn_given: bool) -> int | None:

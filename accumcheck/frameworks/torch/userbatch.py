@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ...errors import AccumcheckError
-from ...usermodel import apply_loss, call_model, map_leaves, model_error, own_loss, split_batch
+from ...usermodel import apply_loss, call_model, join_batches, map_leaves, model_error, own_loss, split_batch
 
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models skip
 
@@ -62,43 +62,7 @@ def micro_loss(model: Any, batch: Any, index: int | str, loss_fn: Callable[..., 
 def join(batches: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
     """N micro-batches as one batch: ``collate(batches)``, or tensors concatenated along the batch
     axis (dim 0) through tuples, lists and mappings."""
-    if collate is not None:
-        try:
-            return collate(batches)
-        except Exception as exc:
-            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
-    return _concatenate(batches, "batch")
-
-
-def _concatenate(parts: list[Any], where: str) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        if not all(isinstance(p, torch.Tensor) for p in parts):
-            raise _cannot(where, "is a tensor in some micro-batches only")
-        if first.dim() == 0 or any(p.shape[1:] != first.shape[1:] for p in parts):
-            shapes = sorted({tuple(p.shape) for p in parts})
-            raise _cannot(where, f"has shapes {shapes[0]} and {shapes[-1]}, which do not join along the batch axis "
-                                 "(pad every micro-batch to one length)")
-        return torch.cat(parts)
-    if isinstance(first, Mapping):
-        if any(not isinstance(p, Mapping) or set(p) != set(first) for p in parts):
-            raise _cannot(where, "has different keys in different micro-batches")
-        return {k: _concatenate([p[k] for p in parts], f"{where}[{k!r}]") for k in first}
-    if isinstance(first, (tuple, list)):
-        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in parts):
-            raise _cannot(where, "has different lengths in different micro-batches")
-        items = [_concatenate([p[i] for p in parts], f"{where}[{i}]") for i in range(len(first))]
-        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
-    if all(p is None for p in parts):
-        return None
-    if all(type(p) is type(first) and p == first for p in parts):
-        return first  # the same setting in every micro-batch
-    raise _cannot(where, f"is a {type(first).__name__} that differs between micro-batches")
-
-
-def _cannot(where: str, why: str) -> AccumcheckError:
-    return AccumcheckError(f"full_batch: cannot join the micro-batches into one: {where} {why}; "
-                           "pass collate=lambda batches: one_batch")
+    return join_batches(batches, collate, (torch.Tensor,), torch.cat, "tensor")
 
 
 def item_count(batch: Any, loss_fn_given: bool) -> int | None:

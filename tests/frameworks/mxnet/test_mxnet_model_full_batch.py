@@ -88,30 +88,37 @@ class Scaled(gluon.Block):
     def __init__(self):
         super().__init__()
         with self.name_scope():
-            self.dense = gluon.nn.Dense(4)
+            self.dense = gluon.nn.Dense(4, use_bias=False)  # dense(x * s) = dense(x) * s
 
     def forward(self, x, scale):
         return self.dense(x) * scale
 
 
-def test_micro_batches_that_do_not_join_need_collate():
+def test_micro_batches_join_where_they_can_and_need_collate_where_they_cannot():
     def scaled():
         mx.random.seed(0)
         net = Scaled()
         net.initialize(mx.init.Xavier())
         return net
 
-    batches = [((x, 2.0), y) for x, y in _batches()]
+    same = [((x, 2.0), y) for x, y in _batches()]  # one setting in every micro-batch: it stays
+    report = accumcheck.mxnet.check(scaled(), SOFTMAX, same, full_batch=True)
+    assert report.exit_code == 0 and report.full_batch.equivalent
+    differing = [((x, 1.0 + k % 2), y) for k, (x, y) in enumerate(_batches())]
     with pytest.raises(AccumcheckError) as raised:
-        accumcheck.mxnet.check(scaled(), SOFTMAX, batches, full_batch=True)
-    assert str(raised.value) == ("full_batch: the micro-batches cannot be joined into one batch: batch[0][1] is a "
-                                 "float, which does not join; pass collate=lambda batches: one_batch")
+        accumcheck.mxnet.check(scaled(), SOFTMAX, differing, full_batch=True)
+    assert str(raised.value) == ("full_batch: cannot join the micro-batches into one: batch[0][1] is a float that "
+                                 "differs between micro-batches; pass collate=lambda batches: one_batch")
+    # a collate that scales each micro-batch's inputs joins them into a batch of scale 1
+    collated = []
 
     def collate(parts):
-        return (np.concatenate([b[0][0] for b in parts]), 2.0), np.concatenate([b[1] for b in parts])
+        collated.append(len(parts))
+        return ((mx.nd.concat(*(mx.nd.array(b[0][0]) * b[0][1] for b in parts), dim=0), 1.0),
+                np.concatenate([b[1] for b in parts]))
 
-    report = accumcheck.mxnet.check(scaled(), SOFTMAX, batches, full_batch=True, collate=collate)
-    assert report.exit_code == 0 and report.full_batch.equivalent
+    report = accumcheck.mxnet.check(scaled(), SOFTMAX, differing, full_batch=True, collate=collate)
+    assert collated == [N] and report.exit_code == 0 and report.full_batch.equivalent
 
 
 @pytest.mark.parametrize("kwargs, message", [
