@@ -51,7 +51,7 @@ from .blockstate import (
     unique_params,
 )
 from .library import mx
-from .model_fullbatch import full_batch_gap
+from .model_fullbatch import float64_passes
 from .passes import manual_pass, micro_steps, native_pass, set_grad_req
 from .run import KERNEL_ALLOWANCE
 
@@ -66,8 +66,9 @@ StepFunction = Callable[[Any, Batch], Any]
 def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
           accum_steps: int | None = None, ctx: Any = None, inject: str | None = None,
           progress: Progress | None = None, *, step: StepFunction | None = None, mode: str = "native",
-          train_mode: bool = False, full_batch: bool = False, collate: Callable[[list[Batch]], Batch] | None = None,
-          loss_reduction: str = "sum", force: bool = False) -> Report:
+          train_mode: bool = False, oracle: bool = False, full_batch: bool = False,
+          collate: Callable[[list[Batch]], Batch] | None = None, loss_reduction: str = "sum",
+          force: bool = False) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``block`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
@@ -81,7 +82,8 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     instead computes the loss itself. ``mode`` fills the native slot with ``grad_req='add'``
     ("native") or ``accumcheck.mxnet.GradAccumulator`` ("accumulator", "compensated": float32
     buffers fed by ``grad_req='write'``, the totals written back into the gradients). ``train_mode`` records with BatchNorm on batch statistics
-    (Dropout stays off). ``full_batch`` also runs the N micro-batches as one batch (joined along
+    (Dropout stays off). ``oracle`` also accumulates on a float64 copy of the block (your floating
+    inputs widened) and reports each mode's distance from it. ``full_batch`` also runs the N micro-batches as one batch (joined along
     axis 0, or by ``collate``) on a float64 copy of the block and judges the accumulated gradient
     against it: as it is for a ``loss_reduction`` "sum" loop (Gluon's per-example losses, whose
     backward() sums them), divided by N for "mean" (each micro-batch's mean loss). ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the
@@ -90,7 +92,7 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     for bad input and for an exception raised by the block, the loss or the step function.
     """
     started = time.perf_counter()
-    _check_arguments(block, loss_fn, batches, step, full_batch, collate, loss_reduction)
+    _check_arguments(block, loss_fn, batches, step, oracle, full_batch, collate, loss_reduction)
     if mode not in MODES:
         raise AccumcheckError(f"check: mode must be one of {', '.join(MODES)}, got {mode!r}")
     fault = parse_fault(inject) if inject is not None else None
@@ -114,24 +116,26 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         kinds = {name: infer_kind(name, len(p.shape)) for name, p in params.items()}
         if fault is not None:
             fault = resolve_fault(fault, list(kinds.items()), steps)
-        check_resources(estimate_model(sum(int(np.prod(p.shape)) for p in params.values()), full_batch), "check",
-                        force=force)
+        elements = sum(int(np.prod(p.shape)) for p in params.values())
+        check_resources(estimate_model(elements, oracle or full_batch), "check", force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
         grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
-        gap = None
-        if full_batch:
+        oracle_grads, gap = None, None
+        if oracle or full_batch:
             try:
-                gap = full_batch_gap(block, partial(_micro_on, micro), [get_batch(k) for k in range(steps)], ctx,
-                                     collate, loss_reduction, loss_fn is not None, train_mode, progress)
+                oracle_grads, gap = float64_passes(block, partial(_micro_on, micro),
+                                                   [get_batch(k) for k in range(steps)], ctx, collate, full_batch,
+                                                   loss_reduction, loss_fn is not None, train_mode, progress)
             except mx.base.MXNetError as exc:
-                raise model_error(_readable(exc), micro.index, "the float64 full-batch pass", GLUON_CALLS) from exc
+                raise model_error(_readable(exc), micro.index, "the float64 pass", GLUON_CALLS) from exc
         settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
-        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap)
+        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap,
+                          oracle_grads if oracle else None)
         loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
         options = {"inject": inject, "train_mode": train_mode or None, "mode": None if mode == "native" else mode,
-                   "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
+                   "oracle": oracle or None, "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
         # Judged while deferred parameters are still initialised: the second pass runs the block again.
-        return build_report(None, run, steps, fault, False, time.perf_counter() - started,
+        return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
                             config={"model": type(block).__name__, "loss": loss,
                                     **{k: v for k, v in options.items() if v is not None}},
                             replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
@@ -250,7 +254,8 @@ def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
 
 def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str, tuple[str, ...]],
                 grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any],
-                mode: str = "native", gap: FullBatchGap | None = None) -> RunResult:
+                mode: str = "native", gap: FullBatchGap | None = None,
+                oracle: dict[str, np.ndarray] | None = None) -> RunResult:
     # A GradAccumulator sums in float32 from grad_req='write' gradients: the manual pass's rounding.
     param_dtype = np.dtype(next(iter(params.values())).dtype).name if mode == "native" else "float32"
     accumulations = []
@@ -259,17 +264,18 @@ def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str
         accumulations.append(ParamAccumulation(
             name, kinds[name], grads["native"][name], grads["manual"][name], grads["exact"][name],
             grads["absum"][name], dtype=None if dtype == param_dtype else dtype, aliases=aliases.get(name, ()),
-            steps_with_grad=count if count < steps else None))
+            steps_with_grad=count if count < steps else None, oracle=None if oracle is None else oracle[name]))
     return RunResult(params=accumulations, framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
                      param_dtype=param_dtype, accum_dtype="float32",
                      native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
                      losses=grads["losses"], settings=settings, notes=notes, full_batch=gap)
 
 
-def _check_arguments(block: Any, loss_fn: Any, batches: Any, step: Any, full_batch: Any, collate: Any,
-                     loss_reduction: str) -> None:
-    if not isinstance(full_batch, bool):
-        raise AccumcheckError(f"check: full_batch must be True or False, got {full_batch!r}")
+def _check_arguments(block: Any, loss_fn: Any, batches: Any, step: Any, oracle: Any, full_batch: Any,
+                     collate: Any, loss_reduction: str) -> None:
+    for what, flag in (("oracle", oracle), ("full_batch", full_batch)):
+        if not isinstance(flag, bool):
+            raise AccumcheckError(f"check: {what} must be True or False, got {flag!r}")
     if loss_reduction not in REDUCTIONS:
         raise AccumcheckError(f"check: loss_reduction must be one of {', '.join(REDUCTIONS)}, got {loss_reduction!r}")
     if collate is not None and not callable(collate):

@@ -1,6 +1,6 @@
-"""A user's Gluon block in float64 (``check(full_batch=True)``): the gradient of its micro-batches
-accumulated, and of the same micro-batches joined into one batch. Both run on a float64 copy, so
-the block itself is not cast."""
+"""A user's Gluon block in float64 (``check(oracle=True)`` and ``check(full_batch=True)``): the
+gradient of its micro-batches accumulated (the oracle), and of the same micro-batches joined into
+one batch. Both run on a float64 copy, so the block itself is not cast."""
 
 from __future__ import annotations
 
@@ -25,26 +25,30 @@ def float64_twin(block: Any) -> Any:
     try:
         twin = copy.deepcopy(block)
     except Exception as exc:
-        raise AccumcheckError(f"check: full_batch needs a float64 copy of the block, and copy.deepcopy raised "
-                              f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                              "; run without full_batch") from exc
+        raise AccumcheckError(f"check: oracle and full_batch need a float64 copy of the block, and copy.deepcopy "
+                              f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                              "; run without them") from exc
     twin.cast("float64")
     return twin
 
 
-def full_batch_gap(block: Any, micro_of: MicroOf, batches: list[Any], ctx: Any, collate: Callable[[list[Any]], Any] | None,
-                   loss_reduction: str, loss_fn_given: bool, train_mode: bool,
-                   progress: Progress | None = None) -> FullBatchGap:
-    """The float64 twin's accumulated gradient over ``batches`` (times 1/N for a "mean" loop) and
-    its gradient of the batches joined into one; ``micro_of(block, get_batch)`` is the check's
+def float64_passes(block: Any, micro_of: MicroOf, batches: list[Any], ctx: Any, collate: Callable[[list[Any]], Any] | None,
+                   full_batch: bool, loss_reduction: str, loss_fn_given: bool, train_mode: bool,
+                   progress: Progress | None = None) -> tuple[dict[str, np.ndarray], FullBatchGap | None]:
+    """On a float64 twin of ``block``: the accumulated gradient over ``batches`` (the oracle), and
+    with ``full_batch`` its comparison with the gradient of the batches joined into one (the
+    accumulated times 1/N for a "mean" loop). ``micro_of(block, get_batch)`` is the check's
     micro-step on another block."""
     steps = len(batches)
-    whole = to_float64(join(batches, collate))
+    whole = to_float64(join(batches, collate)) if full_batch else None  # refused before the float64 passes run
     twin = float64_twin(block)
     params = {name: p for name, p in unique_params(twin)[0].items() if materialised(p) and p.grad_req != "null"}
     with layers_for_check(twin, train_mode):
         micro = micro_of(twin, lambda k: to_float64(batches[k]))
         _, exact, _, _, _ = manual_pass(params, micro, steps, ctx, progress, counts={})
+        accumulated = {name: np.asarray(g, np.float64) for name, g in exact.items()}
+        if not full_batch:
+            return accumulated, None
         joined = micro_of(twin, lambda _: whole)
         for param in params.values():
             param.zero_grad()
@@ -54,9 +58,9 @@ def full_batch_gap(block: Any, micro_of: MicroOf, batches: list[Any], ctx: Any, 
         full = {name: p.grad(ctx).asnumpy().astype(np.float64) for name, p in params.items()}
     scale, scaled_by = window_scale(loss_reduction, steps)
     counts = [item_count(b, loss_fn_given) for b in batches]
-    return FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by=scaled_by,
-                        accumulated={name: np.asarray(g, np.float64) * scale for name, g in exact.items()}, full=full,
-                        item_counts=None if None in counts else counts)
+    return accumulated, FullBatchGap(normalisation=loss_reduction, accumulated_scaled_by=scaled_by,
+                                     accumulated={name: g * scale for name, g in accumulated.items()}, full=full,
+                                     item_counts=None if None in counts else counts)
 
 
 def to_float64(batch: Any) -> Any:

@@ -1,5 +1,5 @@
-"""accumcheck.mxnet.check(full_batch=True) on Gluon blocks: the accumulated gradient against the
-whole window's in one backward pass, both on a float64 copy of the block. A per-example loss is
+"""accumcheck.mxnet.check(full_batch=True) and (oracle=True) on Gluon blocks: the accumulated
+gradient against the whole window's in one backward pass, both on a float64 copy of the block. A per-example loss is
 the whole batch's as it is; a mean loss per micro-batch is N times it, or weighted unlike it when
 the micro-batches differ in size; the block is left as found."""
 
@@ -52,6 +52,24 @@ def test_per_example_losses_are_the_whole_batch_and_the_block_is_left_as_found(h
     for name, (data, dtype, req, grad) in before.items():
         assert np.array_equal(after[name][0], data) and after[name][1] == dtype == np.float32, name
         assert after[name][2] == req and (grad is None or np.array_equal(after[name][3], grad)), name
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_the_oracle_is_the_float64_blocks_accumulation(hybridize):
+    net = _net(hybridize)
+    net(mx.nd.array(_batches()[0][0]))
+    before = _state(net)
+    report = accumcheck.mxnet.check(net, SOFTMAX, _batches(), oracle=True)
+    assert report.exit_code == 0 and report.oracle and report.full_batch is None
+    assert "oracle=True" in report.reproduce_command()
+    for t in report.tensors:
+        # E sums the float32 block's micro-gradients: it differs from the float64 block's sum by
+        # the float32 forward and backward's rounding, small against the gradient but not zero
+        assert t.oracle_err_native is not None and t.oracle_err_exact <= 1e-5 * t.max_abs_grad, t.name
+    assert any(t.oracle_err_exact > 0 for t in report.tensors)
+    for name, (data, dtype, req, grad) in before.items():
+        after = _state(net)[name]
+        assert np.array_equal(after[0], data) and after[1] == dtype and after[2] == req, name
 
 
 def test_a_mean_loss_per_micro_batch_is_n_times_the_whole_batch():
@@ -123,6 +141,7 @@ def test_micro_batches_join_where_they_can_and_need_collate_where_they_cannot():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"full_batch": "yes"}, "full_batch must be True or False, got 'yes'"),
+    ({"oracle": 1}, "oracle must be True or False, got 1"),
     ({"full_batch": True, "loss_reduction": "avg"}, "loss_reduction must be one of mean, sum, token_count, got 'avg'"),
     ({"full_batch": True, "collate": 3}, "collate must be callable, got a int"),
 ])
