@@ -70,7 +70,7 @@ def run_setup(target: str, setup: dict[str, Any], overrides: dict[str, Any], pro
     setup = dict(setup)
     model = setup.pop("model") if "model" in setup else setup.pop("loss_fn")
     framework, check = user_check(model, f"check {target}", setup.get("params"))
-    first, *accepted = inspect.signature(check).parameters  # the model (JAX's: the loss function), then the rest
+    _, *accepted = inspect.signature(check).parameters  # after the model (JAX's: the loss function)
     for name in list(setup) + list(overrides):
         if name not in accepted:
             flag = "--" + name.replace("_", "-")

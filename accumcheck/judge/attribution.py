@@ -385,7 +385,8 @@ def describe(kind: str, step: int | None, c: float, dtype: str | None, grad_scal
     if kind == "narrow-dtype":
         return f"sum kept in {dtype}", f"the running total kept in {dtype}"
     if kind == "narrow-mean":
-        return f"mean kept in {dtype}", f"the running mean kept in {dtype} (acc + (g - acc)/(k+1), each operation rounded)"
+        return (f"mean kept in {dtype}",
+                f"the running mean kept in {dtype} (acc + (g - acc)/(k+1), each operation rounded)")
     raise ValueError(f"no words for an explanation of kind {kind!r}")
 
 

@@ -51,7 +51,7 @@ from .blockstate import (
     unique_params,
 )
 from .library import mx
-from .model_fullbatch import float64_passes
+from .model_fullbatch import float64_passes, join
 from .passes import manual_pass, micro_steps, native_pass, set_grad_req
 from .run import KERNEL_ALLOWANCE
 
@@ -81,15 +81,17 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     first context). ``step(block, batch)``
     instead computes the loss itself. ``mode`` fills the native slot with ``grad_req='add'``
     ("native") or ``accumcheck.mxnet.GradAccumulator`` ("accumulator", "compensated": float32
-    buffers fed by ``grad_req='write'``, the totals written back into the gradients). ``train_mode`` records with BatchNorm on batch statistics
-    (Dropout stays off). ``oracle`` also accumulates on a float64 copy of the block (your floating
-    inputs widened) and reports each mode's distance from it. ``full_batch`` also runs the N micro-batches as one batch (joined along
-    axis 0, or by ``collate``) on a float64 copy of the block and judges the accumulated gradient
-    against it: as it is for a ``loss_reduction`` "sum" loop (Gluon's per-example losses, whose
-    backward() sums them), divided by N for "mean" (each micro-batch's mean loss). ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the
-    native accumulation to prove the check fires. A check that would need more memory beside the
-    block than is available is refused unless ``force``. Returns a Report; raises AccumcheckError
-    for bad input and for an exception raised by the block, the loss or the step function.
+    buffers fed by ``grad_req='write'``, the totals written back into the gradients). ``train_mode``
+    records with BatchNorm on batch statistics (Dropout stays off). ``oracle`` also accumulates on
+    a float64 copy of the block (your floating inputs widened) and reports each mode's distance
+    from it. ``full_batch`` also runs the N micro-batches as one batch (joined along axis 0, or by
+    ``collate``) on a float64 copy of the block and judges the accumulated gradient against it: as
+    it is for a ``loss_reduction`` "sum" loop (Gluon's per-example losses, whose backward() sums
+    them), divided by N for "mean" (each micro-batch's mean loss). ``inject`` (e.g. ``"scale"``,
+    ``"drop-step:dense0_weight"``) perturbs the native accumulation to prove the check fires. A
+    check that would need more memory beside the block than is available is refused unless
+    ``force``. Returns a Report; raises AccumcheckError for bad input and for an exception raised
+    by the block, the loss or the step function.
     """
     started = time.perf_counter()
     _check_arguments(block, loss_fn, batches, step, oracle, full_batch, collate, loss_reduction)
@@ -99,6 +101,8 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     everything, aliases = unique_params(block)
     _check_initialised(everything)
     get_batch, steps = batch_source(batches, accum_steps)
+    # Micro-batches that do not join are refused before anything runs.
+    whole = join([guarded(k, "batches", get_batch, k) for k in range(steps)], collate) if full_batch else None
     ctx = _context(everything, ctx)
     micro = MicroStep(block, get_batch, ctx, loss_fn, step)
     notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
@@ -122,18 +126,25 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
         oracle_grads, gap = None, None
         if oracle or full_batch:
+            twins: list[MicroStep] = []  # the micro-steps on the float64 copy: the last one names a failing batch
+
+            def micro_on(other: Any, get: Callable[[int], Batch]) -> MicroStep:
+                twins.append(MicroStep(other, get, micro.ctx, micro.loss_fn, micro.step))
+                return twins[-1]
+
             try:
-                oracle_grads, gap = float64_passes(block, partial(_micro_on, micro),
-                                                   [get_batch(k) for k in range(steps)], ctx, collate, full_batch,
+                oracle_grads, gap = float64_passes(block, micro_on, [get_batch(k) for k in range(steps)], whole, ctx,
                                                    loss_reduction, loss_fn is not None, train_mode, progress)
             except mx.base.MXNetError as exc:
-                raise model_error(_readable(exc), micro.index, "the float64 pass", GLUON_CALLS) from exc
+                failed = (twins or [micro])[-1].index
+                raise model_error(_readable(exc), failed, "the float64 pass", GLUON_CALLS) from exc
         settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
         run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap,
                           oracle_grads if oracle else None)
         loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
         options = {"inject": inject, "train_mode": train_mode or None, "mode": None if mode == "native" else mode,
-                   "oracle": oracle or None, "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None}
+                   "oracle": oracle or None, "full_batch": full_batch or None,
+                   "loss_reduction": loss_reduction if full_batch else None}
         # Judged while deferred parameters are still initialised: the second pass runs the block again.
         return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
                             config={"model": type(block).__name__, "loss": loss,
@@ -161,11 +172,6 @@ def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
                     progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
         except mx.base.MXNetError as exc:
             raise model_error(_readable(exc), micro.index, "the backward pass", GLUON_CALLS) from exc
-
-
-def _micro_on(micro: "MicroStep", block: Any, get_batch: Callable[[int], Batch]) -> "MicroStep":
-    """The check's micro-step, the same loss and step function, on another block and batches."""
-    return MicroStep(block, get_batch, micro.ctx, micro.loss_fn, micro.step)
 
 
 class MicroStep:

@@ -26,21 +26,21 @@ def float64_twin(block: Any) -> Any:
         twin = copy.deepcopy(block)
     except Exception as exc:
         raise AccumcheckError(f"check: oracle and full_batch need a float64 copy of the block, and copy.deepcopy "
-                              f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                              "; run without them") from exc
+                              f"failed ({type(exc).__name__}: {exc}); run without them") from exc
     twin.cast("float64")
     return twin
 
 
-def float64_passes(block: Any, micro_of: MicroOf, batches: list[Any], ctx: Any, collate: Callable[[list[Any]], Any] | None,
-                   full_batch: bool, loss_reduction: str, loss_fn_given: bool, train_mode: bool,
+def float64_passes(block: Any, micro_of: MicroOf, batches: list[Any], whole: Any, ctx: Any, loss_reduction: str,
+                   loss_fn_given: bool, train_mode: bool,
                    progress: Progress | None = None) -> tuple[dict[str, np.ndarray], FullBatchGap | None]:
     """On a float64 twin of ``block``: the accumulated gradient over ``batches`` (the oracle), and
-    with ``full_batch`` its comparison with the gradient of the batches joined into one (the
-    accumulated times 1/N for a "mean" loop). ``micro_of(block, get_batch)`` is the check's
-    micro-step on another block."""
+    where ``whole`` (the batches joined into one, ``join``) is given, its comparison with that
+    batch's gradient (the accumulated times 1/N for a "mean" loop). ``micro_of(block, get_batch)``
+    is the check's micro-step on another block."""
     steps = len(batches)
-    whole = to_float64(join(batches, collate)) if full_batch else None  # refused before the float64 passes run
+    full_batch = whole is not None
+    whole = to_float64(whole) if full_batch else None
     twin = float64_twin(block)
     params = {name: p for name, p in unique_params(twin)[0].items() if materialised(p) and p.grad_req != "null"}
     with layers_for_check(twin, train_mode):
