@@ -64,7 +64,8 @@ class StepRecorder:
         self.hold_refs = hold_refs
         # (Adding on a second thread beside the next forward was measured slower: torch's threads
         # want both cores.)
-        host = (first.device.type == "cpu" and reduce_step is None and self.manual.dtype in (torch.float32, torch.float64)
+        host = (first.device.type == "cpu" and reduce_step is None
+                and self.manual.dtype in (torch.float32, torch.float64)
                 and all(p.dtype == torch.float32 for p in params.values()))
         self.holds = host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES
         if host:
@@ -92,7 +93,8 @@ class StepRecorder:
             if self.hold_refs:
                 # Plain operations hand every backward a fresh gradient that nothing writes to
                 # afterwards (the hook's reference also keeps AccumulateGrad from adopting it as .grad).
-                self.held.append([grads[name].detach().numpy().reshape(-1) for name in self.params])
+                # A hook's gradient needs no detach (no create_graph here); ravel is a view of it.
+                self.held.append([grads[name].numpy().ravel() for name in self.params])
             else:
                 torch._foreach_copy_(self.rows[len(self.held)], [grads[name] for name in self.params])
                 self.held.append(self.row_arrays[len(self.held)])

@@ -136,3 +136,21 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_fresh_allocations_are_not_filled_during_the_run_and_the_setting_comes_back(found):
+    import torch
+    import torch.utils.deterministic
+
+    from accumcheck.frameworks.torch.model import deterministic
+
+    before = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = found
+    try:
+        with deterministic(torch.device("cpu")):
+            # PyTorch's NaN fill of every fresh allocation (a debugging aid) is off for the run
+            assert not torch.utils.deterministic.fill_uninitialized_memory
+        assert torch.utils.deterministic.fill_uninitialized_memory == found
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = before
