@@ -20,6 +20,7 @@ gradients live) computes the same figures bit for bit but for the sums' last bit
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import numba
@@ -295,9 +296,19 @@ def _reduce(a, b, a_bits, b_bits, sign_flip, precision, e, s, rel_a, abs_a, rel_
     return all_counts, all_peaks, all_where, all_sums
 
 
+def _renamed(fn, name: str):
+    """``fn`` under another name. numba names a function's cache files after its qualified name
+    and keys them by signature alone, not by options (numba/numba#6845): the same function compiled
+    serial and parallel would share one cache entry, and whichever compiled first would serve both."""
+    clone = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = name
+    return clone
+
+
 # Compiled twice: across threads, and in this thread for a tensor of one chunk (where waking the
-# thread pool costs more than the work).
-_reduce_serial = numba.njit(cache=True, nogil=True, error_model="numpy")(_reduce)
+# thread pool costs more than the work). Both run the same chunks in the same order, so they give
+# the same figures bit for bit.
+_reduce_serial = numba.njit(cache=True, nogil=True, error_model="numpy")(_renamed(_reduce, "_reduce_serial"))
 _reduce = numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_reduce)
 
 _BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
@@ -354,14 +365,17 @@ def _cell_maxima(a, b, e, s, cols, step_r, step_c, rel_a, abs_a, rel_b, abs_b, c
     rows = a.size // cols
     for r in range(rows):
         row = cells[r // step_r]
-        for c in range(cols):
-            i = r * cols + c
-            ex = e[i]
-            sx = s[i]
-            q = max(_map_ratio(abs(np.float64(a[i]) - ex), rel_a * sx + abs_a),
-                    _map_ratio(abs(np.float64(b[i]) - ex), rel_b * sx + abs_b))
-            if q > row[c // step_c]:
-                row[c // step_c] = q
+        # Cell by cell along the row: no division per element, and an inner loop that vectorises.
+        for cell in range(row.size):
+            start = r * cols + cell * step_c
+            stop = r * cols + min(cols, (cell + 1) * step_c)
+            top = row[cell]
+            for i in range(start, stop):
+                ex = e[i]
+                sx = s[i]
+                top = max(top, _map_ratio(abs(np.float64(a[i]) - ex), rel_a * sx + abs_a),
+                          _map_ratio(abs(np.float64(b[i]) - ex), rel_b * sx + abs_b))
+            row[cell] = top
 
 
 def cell_maxima(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, cols: int, step_r: int, step_c: int,

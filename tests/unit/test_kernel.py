@@ -2,6 +2,8 @@
 hit what its fast loops skip: equal and differing blocks, block and chunk edges, ties, zeros,
 subnormals, signs, non-finite values, bounds of zero."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -114,3 +116,26 @@ def test_a_change_of_sign_in_a_later_block_is_counted_in_ulps():
     got = reduce_on_host(*args)
     assert got.max_ulps == 2 * float(np.float32(1.0).view(np.int32))
     assert_same(got, reference(*args))
+
+
+@pytest.mark.slow  # compiles every kernel afresh (about 10 s)
+def test_the_parallel_reduction_runs_in_parallel_after_the_serial_one_was_cached(tmp_path):
+    # numba keys cache files by function name and signature, not by options: a serial compile
+    # cached first would otherwise serve the parallel kernel too (and judging runs on one core).
+    import subprocess
+    import sys
+
+    script = """
+import numba, numpy as np
+from accumcheck.judge import kernel
+small = np.ones(100, np.float32)
+kernel.reduce_on_host(small, small, small.astype(np.float64), small.astype(np.float64), 1e-7, 0, 1e-7, 0, 1e-5, 1e-8)
+large = np.ones(2 * kernel._CHUNK + 1, np.float32)
+kernel.reduce_on_host(large, large, large.astype(np.float64), large.astype(np.float64), 1e-7, 0, 1e-7, 0, 1e-5, 1e-8)
+print(numba.threading_layer())  # raises where no parallel region has run
+"""
+    # A fresh cache: the serial kernel compiles and is cached before the parallel one looks there.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert any(tmp_path.rglob("*_reduce_serial*.nbi"))
