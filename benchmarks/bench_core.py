@@ -496,7 +496,7 @@ def main() -> int:
     if on_gpu:
         info["gpu"], info["cuda"] = torch.cuda.get_device_name(args.device), torch.version.cuda
         print(f"device: {info['gpu']}, CUDA {info['cuda']}")
-    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 7, device=args.device))
+    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 15, device=args.device))
     phases["b"], mem = (0.0, None) if on_gpu else timed_value(
         lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
     phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
