@@ -106,6 +106,7 @@ def test_bfloat16_multisteps_is_precision_loss_in_float32_ulps():
     assert any("accumulator takes the parameters' dtype (bfloat16)" in note for note in report.notes)
 
 
+@pytest.mark.slow  # two bfloat16 runs with the second pass: about 20 s (ci/slow.sh runs it)
 @pytest.mark.parametrize("grad_mean, kind, words", [(True, "narrow-mean", "mean kept in bfloat16"),
                                                     (False, "narrow-dtype", "sum kept in bfloat16")])
 def test_bfloat16_accumulator_is_named_as_what_it_keeps(grad_mean, kind, words):
