@@ -101,8 +101,9 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     everything, aliases = unique_params(block)
     _check_initialised(everything)
     get_batch, steps = batch_source(batches, accum_steps)
-    # Micro-batches that do not join are refused before anything runs.
-    whole = join([guarded(k, "batches", get_batch, k) for k in range(steps)], collate) if full_batch else None
+    # The float64 passes' micro-batches, read once; ones that do not join are refused before anything runs.
+    listed = [guarded(k, "batches", get_batch, k) for k in range(steps)] if oracle or full_batch else []
+    whole = join(listed, collate) if full_batch else None
     ctx = _context(everything, ctx)
     micro = MicroStep(block, get_batch, ctx, loss_fn, step)
     notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
@@ -133,8 +134,8 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                 return twins[-1]
 
             try:
-                oracle_grads, gap = float64_passes(block, micro_on, [get_batch(k) for k in range(steps)], whole, ctx,
-                                                   loss_reduction, loss_fn is not None, train_mode, progress)
+                oracle_grads, gap = float64_passes(block, micro_on, listed, whole, ctx, loss_reduction,
+                                                   loss_fn is not None, train_mode, progress)
             except mx.base.MXNetError as exc:
                 failed = (twins or [micro])[-1].index
                 raise model_error(_readable(exc), failed, "the float64 pass", GLUON_CALLS) from exc

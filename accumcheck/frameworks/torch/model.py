@@ -52,15 +52,16 @@ def deterministic(device: torch.device, warn_only: bool = False) -> Iterator[dic
     finally:
         _use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
-        _fill_uninitialized_memory(fill)
+        if fill is not None:
+            _fill_uninitialized_memory(fill)
 
 
-def _fill_uninitialized_memory(mode: bool | None) -> bool | None:
+def _fill_uninitialized_memory(mode: bool) -> bool | None:
     """Set PyTorch's fill of fresh allocations under deterministic algorithms (a debugging aid:
-    every torch.empty written with NaN first, about 3 % of a small model's step on the CPU); the
-    setting as it was. Kernels write every element of what they allocate, so the gradients are
-    the same either way. None where this PyTorch has no such setting."""
-    if not hasattr(torch._C, "_get_deterministic_fill_uninitialized_memory") or mode is None:
+    every torch.empty written with NaN first); the setting as it was. Kernels write every element
+    of what they allocate, so the gradients are the same either way. None where this PyTorch has
+    no such setting."""
+    if not hasattr(torch._C, "_get_deterministic_fill_uninitialized_memory"):
         return None
     was = torch._C._get_deterministic_fill_uninitialized_memory()
     torch._C._set_deterministic_fill_uninitialized_memory(mode)
