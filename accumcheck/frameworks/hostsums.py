@@ -2,6 +2,8 @@
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 
 # Serial on purpose: it runs between two backward passes, where waking a second thread pool
@@ -30,3 +32,40 @@ def add_eight_steps(g0, g1, g2, g3, g4, g5, g6, g7, manual, exact, absum):
         w4, w5, w6, w7 = np.float64(x4), np.float64(x5), np.float64(x6), np.float64(x7)
         exact[i] = exact[i] + w0 + w1 + w2 + w3 + w4 + w5 + w6 + w7
         absum[i] = absum[i] + abs(w0) + abs(w1) + abs(w2) + abs(w3) + abs(w4) + abs(w5) + abs(w6) + abs(w7)
+
+
+@intrinsic
+def _float32_at(typingctx, address):
+    """The float32 pointer to an integer address (a tensor's ``data_ptr()``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def add_held(addresses, spans, manual, exact, absum):
+    """Held micro-steps into flat manual, E and S in one call: ``addresses[j, k]`` is the address
+    of micro-step k's gradient of parameter j, ``spans[j]:spans[j + 1]`` its slice of the flat
+    buffers. Each gradient must be float32, contiguous, of its slice's length, and alive for the
+    call. Eight steps at a time in one pass (``add_eight_steps``), the rest one by one: the same
+    additions in the same order as ``add_step`` step after step (one Python call, not one per
+    parameter and step)."""
+    steps = addresses.shape[1]
+    for j in range(spans.size - 1):
+        lo, hi = spans[j], spans[j + 1]
+        n = hi - lo
+        m, e, s = manual[lo:hi], exact[lo:hi], absum[lo:hi]
+        k = 0
+        while steps - k >= 8:
+            add_eight_steps(numba.carray(_float32_at(addresses[j, k]), n),
+                            numba.carray(_float32_at(addresses[j, k + 1]), n),
+                            numba.carray(_float32_at(addresses[j, k + 2]), n),
+                            numba.carray(_float32_at(addresses[j, k + 3]), n),
+                            numba.carray(_float32_at(addresses[j, k + 4]), n),
+                            numba.carray(_float32_at(addresses[j, k + 5]), n),
+                            numba.carray(_float32_at(addresses[j, k + 6]), n),
+                            numba.carray(_float32_at(addresses[j, k + 7]), n), m, e, s)
+            k += 8
+        while k < steps:
+            add_step(numba.carray(_float32_at(addresses[j, k]), n), m, e, s)
+            k += 1

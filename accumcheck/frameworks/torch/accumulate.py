@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from ...backend import Progress
 from ...cases import Case
 from ...faults import Fault, FaultInjector
-from ..hostsums import add_eight_steps, add_step
+from ..hostsums import add_held, add_step
 from .accumulator import GradAccumulator
 from .model import case_loss, to_inputs
 
@@ -32,16 +34,17 @@ HELD_BYTES = 16 * 2**20
 class StepRecorder:
     """Feeds manual, E and S from the micro-gradients the native path receives.
 
-    During backward the hooks only keep a reference to each parameter's micro-gradient; after
-    backward the step goes into flat buffers, instead of three small operations per parameter
-    inside the backward. On the CPU in float32: ``HELD_STEPS`` steps are held and then added in
-    one compiled pass per parameter. ``hold_refs``: the micro-gradients themselves are held (a
-    model of plain operations, whose backward hands out fresh tensors nothing writes to later);
-    otherwise each step is copied into a ring of flat rows (a user's model, whose custom backward
-    might reuse a gradient's memory). Without holding (``hold_steps`` False, or a model too large),
-    one compiled pass per parameter and step where the gradient lies. Otherwise one concatenation
-    and one fused pass per step (three adds on CUDA). Each element takes the same additions in the
-    same order on every path."""
+    During backward the hooks (``hook``) only keep a reference to each parameter's micro-gradient;
+    after backward (``flush``) the step goes into flat buffers, instead of three small operations
+    per parameter inside the backward. On the CPU in float32, one compiled call adds the steps
+    held for every parameter (``hostsums.add_held``): ``HELD_STEPS`` steps at a time where they
+    are held. ``hold_refs``: the micro-gradients themselves are held, each parameter's in a list
+    its hook appends to (a model of plain operations, whose backward hands out fresh tensors
+    nothing writes to later); otherwise each step is copied into a ring of flat rows (a user's
+    model, whose custom backward might reuse a gradient's memory). Without holding (``hold_steps``
+    False, or a model too large), each step is added as soon as it is complete. Off the host path,
+    one concatenation and one fused pass per step (three adds on CUDA). Each element takes the
+    same additions in the same order on every path."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
                  reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
@@ -59,52 +62,69 @@ class StepRecorder:
         self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
-        self.ring = self.views = self.step = None
-        self.held: list[list[Any]] = []  # per micro-step not yet added: each parameter's flat float32 gradient
-        self.hold_refs = hold_refs
+        self.ring = self.step = self.lists = None
+        self.count = 0  # steps held, not yet added
         # (Adding on a second thread beside the next forward was measured slower: torch's threads
         # want both cores.)
         host = (first.device.type == "cpu" and reduce_step is None
                 and self.manual.dtype in (torch.float32, torch.float64)
                 and all(p.dtype == torch.float32 for p in params.values()))
         self.holds = host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES
+        self.host = host
         if host:
-            self.views = [tuple(buf.numpy()[span] for buf in (self.manual, self.exact, self.absum))
-                          for _, span in self._spans()]
-        if self.holds and not hold_refs:
+            self.spans = np.cumsum([0] + [p.numel() for p in params.values()], dtype=np.int64)
+            self.flat = (self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        if self.holds and hold_refs:
+            self.lists = [[] for _ in params]  # each parameter's micro-gradients held, in step order
+            self.index = {name: index for index, name in enumerate(params)}
+            # The list lengths after each step with every parameter's gradient there.
+            self.full = [[count] * len(params) for count in range(HELD_STEPS + 1)]
+        elif self.holds:
             self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32)
             # Each row as one view per parameter: one foreach copy fills a row (measured faster
             # than torch.cat into it, which copies input by input).
             self.rows = [[self.ring[row, span].view(params[name].shape) for name, span in self._spans()]
                          for row in range(HELD_STEPS)]
-            self.row_arrays = [[view.numpy().reshape(-1) for view in row] for row in self.rows]
+            self.ring_addresses = (self.ring.data_ptr() + 4 * (self.spans[:-1, None]
+                                   + total * np.arange(HELD_STEPS, dtype=np.int64)))
         elif not host:
             self.step = torch.empty(total, dtype=step_dtype, device=first.device)
 
+    def hook(self, name: str) -> Callable[[Any], None]:
+        """The gradient hook that records ``name``'s micro-gradient: a C-level callable, which
+        costs no Python frame inside the backward pass."""
+        if self.lists is not None:
+            return self.lists[self.index[name]].append
+        return functools.partial(self.grads.__setitem__, name)
+
     def flush(self) -> None:
         """Add the step just finished into manual, E and S (once HELD_STEPS steps are held)."""
+        if self.lists is not None:
+            self.count += 1
+            if list(map(len, self.lists)) != self.full[self.count]:  # a parameter unused in this micro-step
+                for (name, p), held in zip(self.params.items(), self.lists):
+                    if len(held) < self.count:
+                        self.missing[name] = self.missing.get(name, 0) + 1
+                        held.append(torch.zeros_like(p))
+            if self.count == HELD_STEPS:
+                self._add_held()
+            return
         grads = self.grads
         if len(grads) < len(self.params):  # a parameter unused in this micro-step
             for name, p in self.params.items():
                 if name not in grads:
                     self.missing[name] = self.missing.get(name, 0) + 1
                     grads[name] = torch.zeros_like(p)
-        if self.holds:
-            if self.hold_refs:
-                # Plain operations hand every backward a fresh gradient that nothing writes to
-                # afterwards (the hook's reference also keeps AccumulateGrad from adopting it as .grad).
-                # A hook's gradient needs no detach (no create_graph here); ravel is a view of it.
-                self.held.append([grads[name].numpy().ravel() for name in self.params])
-            else:
-                torch._foreach_copy_(self.rows[len(self.held)], [grads[name] for name in self.params])
-                self.held.append(self.row_arrays[len(self.held)])
+        if self.ring is not None:
+            torch._foreach_copy_(self.rows[self.count], [grads[name] for name in self.params])
             grads.clear()
-            if len(self.held) == HELD_STEPS:
+            self.count += 1
+            if self.count == HELD_STEPS:
                 self._add_held()
             return
-        if self.views is not None:
-            for name, (manual, exact, absum) in zip(self.params, self.views):
-                add_step(grads[name].detach().numpy().reshape(-1), manual, exact, absum)
+        if self.host:
+            held = [_contiguous(grads[name]) for name in self.params]
+            add_held(np.array([[g.data_ptr()] for g in held], np.int64), self.spans, *self.flat)
             grads.clear()
             return
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
@@ -121,15 +141,21 @@ class StepRecorder:
             self.absum.add_(self.step.abs_())
 
     def _add_held(self) -> None:
-        """The steps held, in their order, into manual, E and S, parameter by parameter."""
-        for index, sums in enumerate(self.views):
-            steps = [step[index] for step in self.held]
-            if len(steps) == HELD_STEPS:
-                add_eight_steps(*steps, *sums)
-            else:
-                for grad in steps:
-                    add_step(grad, *sums)
-        self.held.clear()
+        """The steps held, in their order, into manual, E and S: one compiled call."""
+        if self.lists is not None:
+            # Plain operations hand every backward a fresh gradient that nothing writes to
+            # afterwards (the reference also keeps AccumulateGrad from adopting it as .grad).
+            held = list(itertools.chain.from_iterable(self.lists))
+            if not all(map(torch.Tensor.is_contiguous, held)):
+                held = [_contiguous(g) for g in held]
+            addresses = np.fromiter(map(torch.Tensor.data_ptr, held), np.int64, len(held))
+            add_held(addresses.reshape(len(self.lists), -1), self.spans, *self.flat)
+            del held
+            for steps in self.lists:
+                steps.clear()
+        else:
+            add_held(self.ring_addresses[:, :self.count], self.spans, *self.flat)
+        self.count = 0
 
     def _spans(self) -> Iterator[tuple[str, slice]]:
         offset = 0
@@ -139,10 +165,15 @@ class StepRecorder:
 
     def buffers(self) -> dict[str, tuple[Any, Any, Any]]:
         """Per-parameter (manual, exact, absum) views of the flat buffers, every step added."""
-        if self.held:
+        if self.count:
             self._add_held()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
+
+
+def _contiguous(grad: Any) -> Any:
+    """``grad``, or a contiguous copy of it (``add_held`` reads flat memory)."""
+    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:
@@ -213,13 +244,14 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
         param.grad = None
         # With a GradAccumulator the fault acts on its float32 buffer (below), not on .grad.
         if injector is None or fault.param != name or accumulator is not None:
-            # A C-level callable: the hook costs no Python frame inside the backward pass.
-            handles.append(param.register_hook(functools.partial(recorder.grads.__setitem__, name)))
+            handles.append(param.register_hook(recorder.hook(name)))
             continue
 
-        def inject(grad: Any, name: str = name, param: Any = param) -> Any:
+        record = recorder.hook(name)
+
+        def inject(grad: Any, param: Any = param, record: Any = record) -> Any:
             # A copy: the native path may adopt ``grad`` as .grad, and the bf16 fault rounds that.
-            recorder.grads[name] = grad.clone()
+            record(grad.clone())
             return injector.contribution(state["step"], grad, param.grad)
 
         handles.append(param.register_hook(inject))
