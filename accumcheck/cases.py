@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

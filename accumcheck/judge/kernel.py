@@ -311,19 +311,20 @@ def _renamed(fn, name: str):
 _reduce_serial = numba.njit(cache=True, nogil=True, error_model="numpy")(_renamed(_reduce, "_reduce_serial"))
 _reduce = numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_reduce)
 
-_BITS = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+# Per dtype of A and B: the integers of their width, the sign bit as such an integer, and 2 ** (the
+# significand's bits), the scale of a units-in-the-last-place distance.
+_KINDS = {np.dtype(t): (bits, np.int64(np.iinfo(bits).min), 2.0 ** (np.finfo(t).nmant + 1))
+          for t, bits in ((np.float32, np.int32), (np.float64, np.int64))}
 
 
 def reduce_on_host(a: np.ndarray, b: np.ndarray, e: np.ndarray, s: np.ndarray, rel_a: float, abs_a: float,
                    rel_b: float, abs_b: float, rtol: float, atol: float) -> Reduction:
     """The reduction of flat arrays of one length: A and B of one dtype, float32 or float64 (the
     narrower ones are exact in float32), E and S float64; bound_X = rel_X * S + abs_X."""
-    bits = _BITS[a.dtype]
-    chunks = int(min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK))))
-    precision = 2.0 ** (np.finfo(a.dtype).nmant + 1)
+    bits, sign_flip, precision = _KINDS[a.dtype]
+    chunks = min(_MAX_CHUNKS, max(1, -(-a.size // _CHUNK)))
     counts, peaks, where, sums = (_reduce if chunks > 1 else _reduce_serial)(
-        a, b, a.view(bits), b.view(bits), np.int64(np.iinfo(bits).min), precision, e, s, rel_a, abs_a, rel_b, abs_b,
-        rtol, atol, chunks)
+        a, b, a.view(bits), b.view(bits), sign_flip, precision, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, chunks)
     return combine(counts, peaks, where, sums)
 
 
@@ -334,21 +335,16 @@ def combine(counts: np.ndarray, peaks: np.ndarray, where: np.ndarray, sums: np.n
         total, top, added, first = counts[0].tolist(), peaks[0].tolist(), sums[0].tolist(), where[0].tolist()
 
         def at(column: int, which: int) -> int:
-            return int(first[which]) if top[column] > 0 else -1
+            return first[which] if top[column] > 0 else -1
     else:
-        total, top, added = counts.sum(axis=0), peaks.max(axis=0), sums.sum(axis=0)
+        total, top, added = counts.sum(axis=0).tolist(), peaks.max(axis=0).tolist(), sums.sum(axis=0).tolist()
 
         def at(column: int, which: int) -> int:
             return int(where[int(np.argmax(peaks[:, column])), which]) if top[column] > 0 else -1
 
-    return Reduction(
-        nonfinite_a=int(total[0]), nonfinite_b=int(total[1]), nonfinite_e=int(total[2]), mismatched=int(total[3]),
-        classic_mismatched=int(total[4]), over_a=int(total[5]), over_b=int(total[6]), max_e=float(top[0]),
-        max_err_a=float(top[1]), max_err_b=float(top[2]), ratio_a=float(top[3]), index_a=at(3, 1),
-        ratio_b=float(top[4]), index_b=at(4, 2), max_diff=float(top[5]), index_diff=at(5, 0), max_rel=float(top[6]),
-        max_ulps=float(top[7]), diff_ratio=float(top[8]), sum_s=float(added[0]), sum_abs_e=float(added[1]),
-        sum_sq_e=float(added[2]), sum_sq_err_a=float(added[3]), sum_sq_err_b=float(added[4]),
-        sum_sq_s=float(added[5]))
+    # In Reduction's order: the seven counts, then the maxima (with where three of them are), the sums.
+    return Reduction(*total, top[0], top[1], top[2], top[3], at(3, 1), top[4], at(4, 2), top[5], at(5, 0),
+                     top[6], top[7], top[8], *added)
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")

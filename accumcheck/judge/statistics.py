@@ -9,6 +9,7 @@ verdict is made from these figures once, in ``accumcheck.judge.verdicts``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -57,7 +58,7 @@ def tensor_figures(
     then read only for the figures it does not give (float32 ulps, the oracle)."""
     shape = tuple(exact.shape)
     numel = math.prod(shape)
-    dtype = str(np.promote_types(_judged_dtype(native.dtype), _judged_dtype(manual.dtype)))
+    dtype = _judged_name(native.dtype, manual.dtype)
     rtol, atol = CLASSIC_TOLERANCES.get(native_bound.dtype, CLASSIC_TOLERANCES[dtype])
     # The root-mean-square of S scales a kernel allowance (a bound's floor), so it is needed first.
     allowance_rms = _rms(absum) if native_bound.tensor or manual_bound.tensor else 0.0
@@ -124,6 +125,12 @@ def tensor_figures(
         figures["oracle_err_manual"] = float(np.max(np.abs(b - o), initial=0.0))
         figures["oracle_err_exact"] = float(np.max(np.abs(e - o), initial=0.0))
     return figures
+
+
+@functools.lru_cache(maxsize=None)
+def _judged_name(native: Any, manual: Any) -> str:
+    """The dtype both modes are judged in, by name."""
+    return str(np.promote_types(_judged_dtype(native), _judged_dtype(manual)))
 
 
 def _judged_dtype(dtype: Any) -> np.dtype:
