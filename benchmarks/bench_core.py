@@ -4,7 +4,8 @@
 (a) overhead   wall time of ``accumcheck.compare(case="transformer-small", accum_steps=N)`` over a
                plain native loop on the same case and N (build the model, then N x forward +
                ``loss.backward()``). Both warmed up once, then timed interleaved in an order that
-               rotates from round to round; the median of the rounds' ratios. Also shown, to say
+               rotates from round to round (41 rounds: a run varies by several per cent on a
+               shared machine); the median of the rounds' ratios, and their quartiles. Also shown, to say
                where the extra time goes: the backend run alone (``TorchBackend.run``) and the
                judging (``build_report`` on a finished run). Target <= 1.1.
 (b) memory     peak RSS of a fresh child running compare at N=256 over that of a fresh child at
@@ -30,7 +31,7 @@ Every run writes its figures to benchmarks/results/bench_core.json (or --json FI
 renders from that file the text docs/performance.md quotes (``python ci/figures.py --group
 benchmarks --write`` puts it there). Importing this module runs nothing and imports no framework.
 
-    python benchmarks/bench_core.py               # full run, ~1-2 min on 2 cores
+    python benchmarks/bench_core.py               # full run, ~3 min on 2 cores
     python benchmarks/bench_core.py --quick       # smoke run, smaller N and tensor
     python benchmarks/bench_core.py --json out.json
     python benchmarks/bench_core.py --device cuda  # (a) on the GPU (absolute times too); (c) as ever
@@ -145,9 +146,11 @@ def bench_overhead(steps: int, reps: int, device: str = "cpu") -> dict:
     }, reps)
     t = {name: statistics.median(times) for name, times in each.items()}
     per_step = lambda s: s / steps * 1e3  # noqa: E731
+    ratios = [c / n for c, n in zip(each["compare"], each["native"])]
     return {"steps": steps, "reps": reps, "compare_s": t["compare"], "native_s": t["native"],
             # the median of the rounds' ratios: a round's two runs saw the machine at the same speed
-            "ratio": statistics.median(c / n for c, n in zip(each["compare"], each["native"])),
+            "ratio": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else [ratios[0]] * 2,
             "native_ms_per_step": per_step(t["native"]),
             "backend_extra_ms_per_step": per_step(t["backend_run"] - t["native"]),
             "judging_ms": t["judging"] * 1e3}
@@ -407,6 +410,12 @@ def ranks_started(method: str) -> str:
             "spawn": "the ranks spawned afresh", "fork": "the ranks forked"}.get(method, f"ranks started by {method}")
 
 
+def quartiles(over: dict) -> str:
+    """(a)'s spread: the quartiles of the rounds' ratios (a run from before they were kept: none)."""
+    low, high = over.get("ratio_quartiles") or (None, None)
+    return "" if low is None else f"the {over['reps']} rounds' quartiles {low:.2f} to {high:.2f}; "
+
+
 def table(result: dict) -> str:
     """docs/performance.md's table (a) to (e): the measured column and the aims with their misses."""
     targets = {**TARGETS, **result.get("targets", {})}
@@ -414,7 +423,7 @@ def table(result: dict) -> str:
     mxb, dp = result.get("mxnet"), result.get("data_parallel")
     rows = [("(a) `compare` (oracle off) / plain native accumulation loop, "
              f"`{CASE}`, N = {over['steps']}" + ("" if result.get("device", "cpu") == "cpu" else f", {result['device']}"),
-             f"{over['ratio']:.2f} ({over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms; "
+             f"{over['ratio']:.2f} ({quartiles(over)}{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms; "
              f"{over['native_ms_per_step']:.2f} ms per native micro-step, {over['backend_extra_ms_per_step']:+.2f} ms "
              f"in the backend, {over['judging_ms']:.1f} ms judging and mapping)",
              aim(targets["overhead"], over["ratio"], 2, True))]
@@ -496,7 +505,7 @@ def main() -> int:
     if on_gpu:
         info["gpu"], info["cuda"] = torch.cuda.get_device_name(args.device), torch.version.cuda
         print(f"device: {info['gpu']}, CUDA {info['cuda']}")
-    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 15, device=args.device))
+    phases["a"], over = timed_value(lambda: bench_overhead(steps=8 if q else 32, reps=3 if q else 41, device=args.device))
     phases["b"], mem = (0.0, None) if on_gpu else timed_value(
         lambda: bench_memory(small=16, large=64 if q else 256, runs=1 if q else 3))
     phases["c"], comp = timed_value(lambda: bench_comparator(n=2_000_000 if q else 20_000_000, reps=3 if q else 5))
@@ -509,7 +518,8 @@ def main() -> int:
     rows = [
         ("(a) overhead", f"compare / native loop, {CASE}, N={over['steps']}, {args.device}", over["ratio"],
          f"<= {t['overhead']:g}", verdict(over["ratio"], t["overhead"], True),
-         f"{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms, median of {over['reps']}"),
+         f"{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms, median of {over['reps']} "
+         f"(quartiles {over['ratio_quartiles'][0]:.3f} to {over['ratio_quartiles'][1]:.3f})"),
     ]
     if mem is not None:
         rows.append(("(b) memory", f"peak RSS N={mem['large_steps']} / N={mem['small_steps']}", mem["ratio"],
