@@ -42,6 +42,20 @@ def test_float64_noise_is_equivalent_and_no_factor_is_claimed():
     assert result.headline == ""
 
 
+def test_float32_rounding_inside_a_float64_model_is_equivalent_and_a_factor_beyond_it_is_not():
+    """Llama's RMSNorm computes in float32 whatever the model's dtype: a window evaluated at other
+    batch shapes rounds differently, 1e-8 of the gradient's scale, far from any normalisation."""
+    rounded = {name: f * (1 + 5e-8 * (1 + 0.1 * RNG.standard_normal(f.shape))) for name, f in FULL.items()}
+    result = verdict(rounded)
+    assert 1e-9 < result.max_relative_difference < 1e-6
+    assert result.equivalent and not result.constant and result.matches is None and result.headline == ""
+    assert result.explanation.startswith("equivalent: accumulated = full batch within 1e-6 on every tensor, ")
+    assert "float32" in result.explanation
+    # Negative control: a constant 1 + 1e-5 is beyond the factor tolerance, so it is a factor.
+    beyond = verdict(scaled(1 + 1e-5))
+    assert not beyond.equivalent and beyond.constant and beyond.matches is None
+
+
 def test_a_quarter_at_four_micro_batches_is_one_over_n():
     result = verdict(scaled(0.25))
     assert not result.equivalent and result.constant and result.matches == "1/N"

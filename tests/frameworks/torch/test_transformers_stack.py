@@ -60,7 +60,9 @@ def test_first_labels_masked_is_faithful_at_every_step_including_the_short_last_
     assert [s.verdict for s in report.steps] == ["faithful"] * 5
     assert [len(s.micro_batches) for s in report.steps] == [4, 4, 4, 4, 2]  # 18 micro-batches, the last window short
     assert report.micro_batches_seen == report.micro_batches_expected == 18 and report.unstepped == []
-    assert max(s.result.max_relative_difference for s in report.steps) < 1e-13
+    # Llama's RMSNorm computes in float32 whatever the model's dtype, so a window rounds apart from its
+    # micro-batches where their shapes differ (0 on an AVX-512 CPU here, 5e-8 at step 0 on an AVX2 one).
+    assert max(s.result.max_relative_difference for s in report.steps) < 1e-6
     assert report.exit_code == 0
 
 
@@ -118,7 +120,7 @@ class LossOverN(transformers.Trainer):
 def test_a_loss_divided_by_n_once_more_is_fingerprinted_as_1_over_n(tmp_path):
     report = check(trainer_for(tmp_path, kind=LossOverN), steps=2)
     assert [(s.verdict, s.result.matches) for s in report.steps] == [("constant-factor", "1/N")] * 2
-    assert report.steps[0].result.factor == pytest.approx(1 / N, rel=1e-12)
+    assert report.steps[0].result.factor == pytest.approx(1 / N, rel=1e-6)  # RMSNorm rounds in float32
 
 
 def test_steps_cut_the_run_short_and_say_so(tmp_path):
