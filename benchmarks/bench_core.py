@@ -423,7 +423,8 @@ def table(result: dict) -> str:
     mxb, dp = result.get("mxnet"), result.get("data_parallel")
     rows = [("(a) `compare` (oracle off) / plain native accumulation loop, "
              f"`{CASE}`, N = {over['steps']}" + ("" if result.get("device", "cpu") == "cpu" else f", {result['device']}"),
-             f"{over['ratio']:.2f} ({quartiles(over)}{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms; "
+             f"{over['ratio']:.2f} ({quartiles(over)}"
+             f"{over['compare_s'] * 1e3:.0f} ms / {over['native_s'] * 1e3:.0f} ms; "
              f"{over['native_ms_per_step']:.2f} ms per native micro-step, {over['backend_extra_ms_per_step']:+.2f} ms "
              f"in the backend, {over['judging_ms']:.1f} ms judging and mapping)",
              aim(targets["overhead"], over["ratio"], 2, True))]
