@@ -123,7 +123,7 @@ class StepRecorder:
                 self._add_held()
             return
         if self.host:
-            held = [_contiguous(grads[name]) for name in self.params]
+            held = [grads[name].contiguous() for name in self.params]  # itself where contiguous already
             add_held(np.array([[g.data_ptr()] for g in held], np.int64), self.spans, *self.flat)
             grads.clear()
             return
@@ -147,7 +147,7 @@ class StepRecorder:
             # afterwards (the reference also keeps AccumulateGrad from adopting it as .grad).
             held = list(itertools.chain.from_iterable(self.lists))
             if not all(map(torch.Tensor.is_contiguous, held)):
-                held = [_contiguous(g) for g in held]
+                held = [g.contiguous() for g in held]
             addresses = np.fromiter(map(torch.Tensor.data_ptr, held), np.int64, len(held))
             add_held(addresses.reshape(len(self.lists), -1), self.spans, *self.flat)
             del held
@@ -169,11 +169,6 @@ class StepRecorder:
             self._add_held()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
-
-
-def _contiguous(grad: Any) -> Any:
-    """``grad``, or a contiguous copy of it (``add_held`` reads flat memory)."""
-    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInjector, step: int, param: Any) -> None:
