@@ -20,7 +20,8 @@ from .version import __version__
 _EXPORTS = {
     "compare": "api", "compare_frameworks": "api", "sweep": "api", "train": "api",
     "assert_faithful": "assertions", "AccumulationMismatch": "assertions",
-    "AccumcheckError": "errors", "RunConfig": "config", "configure": "validation",
+    "AccumcheckError": "errors", "NothingJudgedError": "errors", "UserCodeError": "errors",
+    "RunConfig": "config", "configure": "validation",
     "Report": "report", "TensorResult": "report", "CrossReport": "report", "load_report": "report",
     "Backend": "backend", "Capabilities": "backend", "register_backend": "registry",
 }

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Callable, Sequence
 
-from .errors import AccumcheckError
+from .errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 
 Batch = Any
 MAX_UNCOUNTED_BATCHES = 4096  # an iterable read to its end without accum_steps: at most this many
@@ -25,28 +25,59 @@ def batch_source(batches: Any, accum_steps: int | None) -> tuple[Callable[[int],
     """A function of the micro-step index giving its ``(inputs, target)``, and the number of
     micro-steps. ``batches`` is a sequence, an iterable (read once: both passes need every batch;
     only the first ``accum_steps`` are taken, so an endless one such as ``itertools.cycle`` is
-    fine) or a function of the index (then ``accum_steps`` is required)."""
+    fine) or a function of the index (then ``accum_steps`` is required). What the user's batches
+    raise (an iterable failing midway, a function or ``__getitem__`` raising) is a UserCodeError
+    naming the micro-batch."""
     if callable(batches):
         count = None
-        get = batches
+        read = batches
     else:
         if not isinstance(batches, Sequence):
             _positive(accum_steps)
-            batches = list(islice(batches, accum_steps if accum_steps is not None else MAX_UNCOUNTED_BATCHES + 1))
+            batches = _read(batches, accum_steps if accum_steps is not None else MAX_UNCOUNTED_BATCHES + 1)
             if accum_steps is None and len(batches) > MAX_UNCOUNTED_BATCHES:
                 raise AccumcheckError(f"check: batches is an iterable of more than {MAX_UNCOUNTED_BATCHES} batches "
                                       "(perhaps endless); pass accum_steps to say how many to take")
-        if not batches:
+        try:
+            count = len(batches)
+        except USER_EXCEPTIONS as exc:
+            raise UserCodeError(f"check: len(batches) raised {type(exc).__name__}: {first_line(exc)}; "
+                                "give a sequence, an iterable or a function of the micro-step index") from exc
+        if not count:
             raise AccumcheckError("check: batches is empty; give (inputs, target) pairs")
-        count = len(batches)
-        get = batches.__getitem__
+        read = batches.__getitem__
     steps = accum_steps if accum_steps is not None else count
     if steps is None:
         raise AccumcheckError("check: batches is a function; pass accum_steps as well")
     _positive(steps)
     if count is not None and steps > count:
         raise AccumcheckError(f"check: accum_steps={steps} but only {count} batches were given")
+
+    def get(index: int) -> Batch:
+        try:
+            return read(index)
+        except AccumcheckError:
+            raise
+        except USER_EXCEPTIONS as exc:
+            raise UserCodeError(f"check: batches raised {type(exc).__name__} on micro-batch {index}: "
+                                f"{first_line(exc)}; check that batches gives a batch for every micro-step "
+                                f"0..{steps - 1}") from exc
+
     return get, steps
+
+
+def _read(iterable: Any, limit: int) -> list[Batch]:
+    """Up to ``limit`` items of the user's iterable; what iterating it raises is a UserCodeError
+    naming the micro-batch it was reading."""
+    items: list[Batch] = []
+    try:
+        for item in islice(iterable, limit):
+            items.append(item)
+    except USER_EXCEPTIONS as exc:
+        raise UserCodeError(f"check: iterating batches raised {type(exc).__name__} while reading micro-batch "
+                            f"{len(items)}: {first_line(exc)}; fix the generator or data loader, or pass a list "
+                            "of batches") from exc
+    return items
 
 
 def _positive(steps: Any) -> None:
@@ -115,14 +146,13 @@ def own_loss(output: Any, is_scalar: Callable[[Any], bool]) -> Any:
 CALLS = "a dict is passed as model(**batch), a tuple as model(*inputs)"  # how call_model meets a model
 
 
-def model_error(exc: Exception, index: int | str, what: str, calls: str = CALLS) -> AccumcheckError:
+def model_error(exc: BaseException, index: int | str, what: str, calls: str = CALLS) -> UserCodeError:
     """The one-line error for an exception raised by the user's model, loss or step function on
     micro-batch ``index`` (or on the batch a string names); ``calls`` says how batches meet the
-    model in this framework."""
-    first = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+    model in this framework. Raise it ``from exc``."""
     where = f"micro-batch {index}" if isinstance(index, int) else index
-    return AccumcheckError(f"check: {what} raised {type(exc).__name__} on {where}: {first[:300]}; "
-                           f"check that the batches fit the model ({calls}), or pass step=lambda model, batch: loss")
+    return UserCodeError(f"check: {what} raised {type(exc).__name__} on {where}: {first_line(exc)}; "
+                         f"check that the batches fit the model ({calls}), or pass step=lambda model, batch: loss")
 
 
 def join_batches(batches: list[Any], collate: Callable[[list[Any]], Any] | None, arrays: tuple[type, ...],
@@ -133,8 +163,8 @@ def join_batches(batches: list[Any], collate: Callable[[list[Any]], Any] | None,
     if collate is not None:
         try:
             return collate(batches)
-        except Exception as exc:
-            raise AccumcheckError(f"full_batch: collate raised {type(exc).__name__}: {exc}") from exc
+        except USER_EXCEPTIONS as exc:
+            raise UserCodeError(f"full_batch: collate raised {type(exc).__name__}: {first_line(exc)}") from exc
     return _concatenate(batches, "batch", arrays, concat, array_word)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import RunResult
 from ..bounds import UNIT_ROUNDOFF, ModeBound
 from ..cases import Case
+from ..errors import NothingJudgedError
 from ..faults import Fault
 from ..report import Report, TensorResult
 from ..version import __version__
@@ -94,6 +95,15 @@ def build_report(case: Case | None, run: RunResult, accum_steps: int, fault: Fau
     judge = Judge(accum_steps, config, replay)
     judge.add(run)
     return judge.report(case, fault, oracle, seconds)
+
+
+def received_gradient(t: TensorResult) -> bool:
+    """Whether a tensor was judged on something: a gradient that is not missing and not zero in
+    every micro-step (E and S both zero, native and manual equal), or a non-finite one."""
+    if t.verdict == "no-gradient":
+        return False
+    zero = t.max_abs_grad == 0 and t.condition == 1.0 and t.mismatched == 0  # S = 0: every micro-gradient zero
+    return not zero or t.verdict in ("non-finite", "overflow")
 
 
 class Judge:
@@ -182,6 +192,12 @@ class Judge:
         """The Report of every tensor added."""
         run, tensors, config = self.run, self.tensors, self.config
         assert run is not None, "no tensors were judged"
+        if not any(received_gradient(t) for t in tensors):
+            steps = self.accum_steps
+            raise NothingJudgedError(
+                f"nothing was judged: none of the {len(tensors)} parameter tensors received a non-zero gradient in "
+                f"the {steps} micro-batch{'es' * (steps != 1)}; make the loss depend on the parameters (a loss "
+                "computed under no_grad, detached, or a constant gives none)")
         native_bound, manual_bound, _, parallel = self.bounds
         notes = list(run.notes) + self.notes
         bound = {"native": vars(native_bound), "manual": vars(manual_bound)}

@@ -195,8 +195,8 @@ def test_the_result_round_trips_and_a_result_of_an_earlier_version_loads():
 
 
 def test_the_lines_say_what_the_accumulated_gradient_is():
-    params = [ParamAccumulation(name, "weight", np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1),
-                                np.zeros(1)) for name in FULL]
+    params = [ParamAccumulation(name, "weight", np.ones(1, np.float32), np.ones(1, np.float32), np.ones(1),
+                                np.ones(1)) for name in FULL]
     run = RunResult(params=params, framework="torch", versions={}, device="cpu", param_dtype="float32",
                     accum_dtype="float32", full_batch=FullBatchGap("mean", "1/N", scaled(0.25), FULL))
     report = build_report(builtin_case("shared-weight"), run, 4, None, False, 0.0)

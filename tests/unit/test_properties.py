@@ -88,6 +88,7 @@ def judge(native, manual, micro):
 
 @given(micro_gradients(), st.randoms(use_true_random=False))
 def test_no_correct_accumulation_is_ever_flagged(micro, rnd):
+    assume(np.any(micro != 0))  # all zero: nothing to judge, refused (test_verdicts.py)
     order = list(range(len(micro)))
     rnd.shuffle(order)
     manual = sequential(micro)
@@ -318,6 +319,7 @@ def examined(native, manual, micro):
 def test_correct_accumulations_are_never_diverged_marginal_nor_suspicious(micro, rnd):
     # Under the probabilistic model the threshold is passed with probability 1e-6 per tensor; the
     # model's exceptions (stagnation, repeated elements, subnormal range) are left out of the score.
+    assume(np.any(micro != 0))  # all zero: nothing to judge, refused (test_verdicts.py)
     order = list(range(len(micro)))
     rnd.shuffle(order)
     manual = sequential(micro)

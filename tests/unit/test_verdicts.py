@@ -164,7 +164,7 @@ def head(result: FullBatchResult) -> tuple:
 def test_each_tensor_gets_its_share_of_the_sum_of_squares():
     report = build_report(None, run_of(param("a", [0.5]), param("b", [0.25, 0.25])), 2, None, False, 0.0)
     assert [t.norm_share for t in report.tensors] == [2 / 3, 1 / 3]  # 0.25 and 0.125 of 0.375
-    zero = build_report(None, run_of(param("a", [0.0]), param("b", [0.0, 0.0])), 2, None, False, 0.0)
+    zero = build_report(None, run_of(param("a", [0.0], absum=[1.0]), param("b", [0.0, 0.0])), 2, None, False, 0.0)
     assert [t.norm_share for t in zero.tensors] == [0.0, 0.0]
 
 
@@ -269,3 +269,22 @@ def test_a_full_batch_mismatch_alone_is_drawn_as_flagged_in_html():
     assert '<p class="flagged">FLAGGED: the accumulated gradient is not the full batch' in render(report, "html")
     clean = build_report(None, run_of(param("w", [1.0, 2.0])), 4, None, False, 0.0)
     assert '<p class="ok">OK: all 1 tensors faithful' in render(clean, "html")
+
+
+def test_a_run_in_which_no_tensor_received_a_gradient_judged_nothing_and_is_refused():
+    import pytest
+
+    from accumcheck.errors import AccumcheckError, NothingJudgedError
+
+    missing = dataclasses.replace(param("w", [0.0, 0.0]), steps_with_grad=0)
+    zero = param("b", [0.0], kind="bias")  # every micro-gradient exactly zero: S = 0
+    with pytest.raises(NothingJudgedError, match="none of the 2 parameter tensors received a non-zero gradient in "
+                                                 "the 4 micro-batches") as caught:
+        build_report(None, run_of(missing, zero), 4, None, False, 0.0)
+    assert isinstance(caught.value, AccumcheckError)  # the CLI's exit 2, one line
+    # one tensor judged on something is a judgement: a zero sum of cancelling micro-gradients (S > 0),
+    # a zero sum that native got wrong, a non-finite gradient
+    for judged in (param("c", [0.0], absum=[2.0]), param("d", [0.0], native=[1e-3], manual=[0.0]),
+                   param("e", [np.inf], native=[np.inf], absum=[np.inf])):
+        report = build_report(None, run_of(missing, zero, judged), 4, None, False, 0.0)
+        assert [t.verdict for t in report.tensors][:2] == ["no-gradient", "identical"]
