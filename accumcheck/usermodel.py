@@ -11,9 +11,13 @@ a mapping as ``model(**inputs)``, a tuple or list as ``model(*inputs)``, anythin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import random
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from .errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 
@@ -78,6 +82,19 @@ def _read(iterable: Any, limit: int) -> list[Batch]:
                             f"{len(items)}: {first_line(exc)}; fix the generator or data loader, or pass a list "
                             "of batches") from exc
     return items
+
+
+@contextlib.contextmanager
+def host_random_states() -> Iterator[None]:
+    """Python's and NumPy's global random states as they were, after the block, also when it
+    raises: the user's loss, batches or step may draw from them (a framework's own generator is
+    its adapter's to put back)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _positive(steps: Any) -> None:
