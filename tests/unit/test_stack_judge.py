@@ -10,7 +10,8 @@ import pytest
 
 from accumcheck.backend import StackWindow
 from accumcheck.judge.fullbatch import SEMANTIC_TOLERANCE
-from accumcheck.judge.stack import judge_window, stack_report
+from accumcheck.errors import AccumcheckError, NothingJudgedError
+from accumcheck.judge.stack import Coverage, judge_window, stack_report
 from accumcheck.render import render
 from accumcheck.report import load_report, report_from_data
 
@@ -112,9 +113,50 @@ def test_every_format_draws_it_and_json_reads_back(fmt, tmp_path):
 
 
 def test_an_empty_stack_report_is_refused():
-    empty = report([], 0).to_dict()
+    empty = dict(report([window(0, range(4), F)], 4).to_dict(), steps=[], micro_batches_seen=0)
     with pytest.raises(Exception, match="no optimizer steps and no micro-batches"):
         report_from_data(empty)
+
+
+def coverage(steps=None, unrecorded=()):
+    return Coverage(who="loop.Check", feed="check.feed(loader)", fix="iterate check.feed(loader)",
+                    idle="the with block", idle_fix="run the loop inside it", optimizer_steps=steps,
+                    unrecorded=list(unrecorded))
+
+
+def test_a_run_that_judged_nothing_is_never_a_report():
+    """No step checked and no micro-batch seen: refused, saying whether the stack stepped unseen or not at all."""
+    with pytest.raises(NothingJudgedError) as stepped:
+        stack_report("accelerate", "Tiny", 4, [], 0, {}, coverage=coverage(3, [0, 1, 2]))
+    assert str(stepped.value) == ("loop.Check: the optimizer stepped 3 times but no micro-batch went through "
+                                  "check.feed(loader), so nothing was judged; iterate check.feed(loader)")
+    with pytest.raises(NothingJudgedError) as idle:
+        stack_report("accelerate", "Tiny", 4, [], 0, {}, coverage=coverage(0))
+    assert str(idle.value) == "loop.Check: the with block ran no optimizer step (0 micro-batches seen); run the loop " \
+        "inside it"
+    with pytest.raises(NothingJudgedError, match="ran no optimizer step"):
+        stack_report("gluon", "Net", 4, [], 0, {})  # no coverage given: refused all the same
+
+
+def test_micro_batches_with_no_step_are_a_finding_not_a_refusal():
+    r = stack_report("accelerate", "Tiny", 4, [], 3, {}, coverage=coverage(0))
+    assert r.exit_code == 1 and r.unstepped == [0, 1, 2] and r.summary().startswith("DROPPED BATCHES")
+
+
+def test_steps_the_check_did_not_see_never_pass_and_never_hide_a_finding():
+    seen = [window(0, range(4), F)]
+    with pytest.raises(AccumcheckError) as refused:
+        stack_report("accelerate", "Tiny", 4, seen, 4, {}, coverage=coverage(2, [1]))
+    assert not isinstance(refused.value, NothingJudgedError)
+    assert str(refused.value) == (
+        "loop.Check: 1 of the 2 optimizer steps (step 1, counted from 0) had no micro-batch recorded since the step "
+        "before and was not judged: micro-batches fed around check.feed(loader), or a second step on one window; "
+        "iterate check.feed(loader), and step once per window")
+    flagged = stack_report("accelerate", "Tiny", 4, [window(0, range(4), times(4.0))], 4, {},
+                           coverage=coverage(3, [1, 2]))
+    assert flagged.exit_code == 1 and flagged.summary().startswith("FLAGGED: 1 of 1 optimizer steps")
+    assert flagged.notes[-1].startswith("2 of the 3 optimizer steps (steps 1, 2, counted from 0) had no micro-batch")
+    assert stack_report("accelerate", "Tiny", 4, seen, 4, {}, coverage=coverage(1)).exit_code == 0
 
 
 def test_a_step_carries_its_window_s_counts_and_what_it_was_compared_with():

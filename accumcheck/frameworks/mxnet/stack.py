@@ -28,6 +28,11 @@ and gradient arrays (the float64 run works on copies), dtypes, ``grad_req``, aux
 Dropout rates, the optimizer's states, update counts and learning-rate schedule, ``trainer.step``.
 Supported: one context and no kvstore (a Trainer on one device), ``trainer.step`` (a loop that
 calls ``allreduce_grads()`` and ``update()`` itself is not captured), no deferred initialisation.
+
+A loop that judged nothing does not pass: ``report`` raises NothingJudgedError where no micro-batch
+was recorded (the loop never called ``check.record``, or the block ran no loop), and
+AccumcheckError where ``trainer.step`` ran with no micro-batch recorded since the step before and
+the report would otherwise pass.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from mxnet import autograd
 from ...backend import StackWindow
 from ...casefile import resolve_case
 from ...cases import IGNORE_LABEL
-from ...errors import AccumcheckError
-from ...judge.stack import stack_report
+from ...errors import AccumcheckError, NothingJudgedError
+from ...judge.stack import Coverage, stack_report
 from ...options import stack_command
 from ...report import StackReport
 from .blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
@@ -62,8 +67,9 @@ class AccumulationCheck:
     ``steps=K`` checks the first K optimizer steps only: ``done`` is then True, ``record`` hands
     micro-batches back (still in float64) without recording them, and the rest of the run is
     not counted. ``accum_steps``: N, the window the loop means (default: the first window's size).
-    A ``trainer.step`` with no micro-batch recorded since the last one is not checked.
-    Raises AccumcheckError for bad arguments, at construction."""
+    A ``trainer.step`` with no micro-batch recorded since the last one is not checked: the report
+    then never passes (NothingJudgedError where nothing at all was recorded). Raises
+    AccumcheckError for bad arguments, at construction."""
 
     def __init__(self, net: Any, trainer: Any, loss_fn: Callable[..., Any] | None = None, *,
                  steps: int | None = None, accum_steps: int | None = None) -> None:
@@ -82,6 +88,8 @@ class AccumulationCheck:
         self.steps, self.accum_steps = steps, accum_steps
         self.windows: list[StackWindow] = []
         self.seen = 0  # micro-batches recorded
+        self.optimizer_steps = 0  # trainer.step calls before ``done``
+        self.unrecorded: list[int] = []  # of those, the ones with no micro-batch recorded since the step before
         self._pending: list[tuple[int, list[Any]]] = []
         self._per_sample: bool | None = None
         self._state: _Float64Run | None = None
@@ -101,8 +109,12 @@ class AccumulationCheck:
         step = self.trainer.step
 
         def checked_step(batch_size: int, ignore_stale_grad: bool = False) -> Any:
-            if self._pending and not self.done:
-                self._capture(batch_size)
+            if not self.done:
+                if self._pending:
+                    self._capture(batch_size)
+                else:
+                    self.unrecorded.append(self.optimizer_steps)
+                self.optimizer_steps += 1
             return step(batch_size, ignore_stale_grad)
 
         self.trainer.step = checked_step
@@ -141,7 +153,7 @@ class AccumulationCheck:
 
     def _build_report(self, model: str, reproduce: str = "") -> StackReport:
         if not self._finished:
-            raise AccumcheckError("AccumulationCheck: no report yet; run the loop inside `with check:` first")
+            raise NothingJudgedError("gluon.AccumulationCheck: no report yet; run the loop inside `with check:` first")
         n = self.accum_steps or (len(self.windows[0].micro_batches) if self.windows else 1)
         notes = ["ran in float64: parameters, gradients, recorded micro-batches and optimizer states",
                  "trainer.step's rescale (rescale_grad / batch_size) judged as part of the applied gradient",
@@ -151,8 +163,14 @@ class AccumulationCheck:
                  "parameters, gradients and optimizer states restored afterwards"]
         if self.steps is not None:
             notes.append(f"checked the first {self.steps} optimizer step{'s' * (self.steps != 1)} only")
+        record = "x, y = check.record(x, y)" if self.loss_fn is not None else "x = check.record(x)"
+        coverage = Coverage(who="gluon.AccumulationCheck", feed="check.record", fix=f"record every micro-batch "
+                            f"before its forward pass: `{record}`", idle="the with block",
+                            idle_fix=f"run the training loop inside `with check:`, recording each micro-batch "
+                                     f"(`{record}`) and calling trainer.step once per window",
+                            optimizer_steps=self.optimizer_steps, unrecorded=list(self.unrecorded))
         return stack_report("gluon", model, n, self.windows, self.seen, {"mxnet": mx.__version__}, notes,
-                            reproduce=reproduce)
+                            reproduce=reproduce, coverage=coverage)
 
     def _capture(self, batch_size: int) -> None:
         """The window's applied gradient and its gradient as one batch; the loop's gradients as

@@ -19,6 +19,10 @@ window steps early. The gradient is read before ``accelerator.clip_grad_norm_`` 
 ``clip_grad_value_``) on a step that syncs, else at the optimizer's real step. On exit the model,
 its optimizer, the random states and the accelerator's accumulation state are put back, also when
 the loop raises.
+
+A loop that judged nothing does not pass: reading ``report`` raises NothingJudgedError where no
+micro-batch went through ``check.batches`` (the loop iterated its loader itself, or the block ran
+no loop), and AccumcheckError where optimizer steps the check did not see would leave a pass.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ....casefile import resolve_case
-from ....errors import AccumcheckError
+from ....errors import AccumcheckError, NothingJudgedError
 from ....judge.stack import stack_report
 from ....options import stack_command
 from ....report import StackReport
@@ -47,7 +51,8 @@ class AccumulationCheck:
     batch)`` or the model's own loss (``model(**batch).loss``) is the loss of the window as one
     batch, as ``accumcheck.torch.check`` reads a batch; ``steps`` stops the loop after that many
     optimizer steps; ``scheduler`` (the learning-rate scheduler the loop steps) is put back afterwards
-    with the rest. ``report`` is the StackReport once the ``with`` block is left."""
+    with the rest. ``report`` is the StackReport once the ``with`` block is left; it raises
+    NothingJudgedError for a block in which nothing was judged."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
@@ -76,6 +81,8 @@ class AccumulationCheck:
         self.recorder: StackRecorder | None = None
         self.accum_steps = 0
         self._report: StackReport | None = None
+        self._finished = False  # the with block was left: the report can be built
+        self._fed = False  # check.batches was called in the block
         self._inside = False
 
     def __enter__(self) -> "AccumulationCheck":
@@ -86,7 +93,7 @@ class AccumulationCheck:
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None)
         self._accelerator_state = (accelerator.step, state.sync_gradients, state.dataloader_references)
         self._schedule = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
-        self._report = None
+        self._report, self._finished, self._fed = None, False, False
         self.run.__enter__()
         self._inside = True
         try:
@@ -112,7 +119,7 @@ class AccumulationCheck:
             accelerator.step, state.sync_gradients, state.dataloader_references = self._accelerator_state
             if self._schedule is not None:  # the loop's scheduler counted the run's steps
                 self.scheduler.load_state_dict(self._schedule)
-        self._report = self._build_report()
+            self._finished = True
 
     def batches(self, dataloader: Iterable[Any]) -> Iterator[Any]:
         """The dataloader's micro-batches, each recorded and handed on with its floating tensors in
@@ -124,6 +131,7 @@ class AccumulationCheck:
         except TypeError:
             raise AccumcheckError(f"accelerate.AccumulationCheck.batches: expected an iterable of micro-batches "
                                   f"(a DataLoader), got {type(dataloader).__name__}") from None
+        self._fed = True
         return self._recorded(iterator)
 
     def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -143,9 +151,13 @@ class AccumulationCheck:
 
     @property
     def report(self) -> StackReport:
+        """The StackReport of the block, judged when first read; NothingJudgedError where nothing was
+        judged, AccumcheckError where steps the check did not see would leave a pass."""
+        if not self._finished:
+            raise NothingJudgedError("accelerate.AccumulationCheck: no report yet; run the loop inside `with check:` "
+                                     "and read check.report after it")
         if self._report is None:
-            raise AccumcheckError("accelerate.AccumulationCheck: no report yet; run the loop inside `with check:` "
-                                  "and read check.report after it")
+            self._report = self._build_report()
         return self._report
 
     def _window_loss(self, model: Any, batch: Any) -> Any:
@@ -160,10 +172,15 @@ class AccumulationCheck:
                  f"{reference} on the window as one batch for the reference",
                  f"dropout off ({self.run.dropouts} rates set to 0); the model, optimizer, random states and the "
                  "accelerator's accumulation state were put back after the run"]
+        idle_fix = ("check.batches(loader) gave no micro-batch: is the data loader empty?" if self._fed else
+                    "run the training loop inside `with check:`, iterating `for batch in check.batches(loader):`")
+        coverage = recorder.coverage("accelerate.AccumulationCheck", "check.batches(loader)",
+                                     "iterate `for batch in check.batches(loader):` inside `with check:`",
+                                     "the with block", idle_fix)
         return stack_report("accelerate", type(self.model).__name__, self.accum_steps, recorder.windows,
                             recorder.seen, {"accelerate": self.version, "torch": torch.__version__}, notes,
                             reproduce=f"accumcheck.integrations.accelerate.AccumulationCheck(accelerator, model, "
-                                      f"optimizer, steps={self.steps})")
+                                      f"optimizer, steps={self.steps})", coverage=coverage)
 
 
 def _captured_first(clip: Any, accelerator: Any, recorder: StackRecorder) -> Any:

@@ -14,6 +14,10 @@ window's reference is the module's own ``training_step`` on the window's micro-b
 unscaling AMP gradients) and before it clips. For the fit, the module and its optimizers run in
 float64 and every batch leaves the strategy's ``batch_to_device`` (after ``on_after_batch_transfer``)
 with its floating tensors in float64; both are put back when the fit ends or raises.
+
+A fit that judged nothing does not pass: reading ``report`` raises NothingJudgedError where the
+fit took no optimizer step and fed no batch (``max_epochs=0``, ``max_steps=0``,
+``limit_train_batches=0``, an empty data loader) or the callback never ran.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 
 from ....casefile import resolve_case
-from ....errors import AccumcheckError
+from ....errors import AccumcheckError, NothingJudgedError
 from ....judge.stack import stack_report
 from ....options import stack_command
 from ....report import StackReport
@@ -38,7 +42,8 @@ from .recorder import Float64Run, StackRecorder, float64_leaves
 class AccumulationCheck(pl.Callback):
     """The check of a Lightning fit as a callback. ``steps`` stops the fit after that many
     optimizer steps; ``loss(module, batch)`` replaces ``training_step`` as the loss of the window
-    as one batch. ``report`` is the StackReport once the fit has ended (or raised)."""
+    as one batch. ``report`` is the StackReport once the fit has ended (or raised); it raises
+    NothingJudgedError for a fit in which nothing was judged."""
 
     def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -50,19 +55,23 @@ class AccumulationCheck(pl.Callback):
         self.recorder: StackRecorder | None = None
         self._run: Float64Run | None = None
         self._report: StackReport | None = None
+        self._ended: tuple[Any, ...] | None = None  # what the report needs from the fit, once it ended
         self._first_index = 0
 
     @property
     def report(self) -> StackReport:
+        """The fit's StackReport, judged when first read; NothingJudgedError where nothing was judged."""
         if self._report is None:
-            raise AccumcheckError("lightning.AccumulationCheck: no report yet; pass the callback to "
-                                  "Trainer(callbacks=[...]) and read .report after trainer.fit")
+            if self._ended is None:
+                raise NothingJudgedError("lightning.AccumulationCheck: no report yet; pass the callback to "
+                                         "Trainer(callbacks=[...]) and read .report after trainer.fit")
+            self._report = self._build_report(*self._ended)
         return self._report
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._accum_steps, self._module = trainer.accumulate_grad_batches, pl_module
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True)
-        self._report = None
+        self._report, self._ended = None, None
         self._run = Float64Run(pl_module, tuple(trainer.optimizers))
         self._run.__enter__()
         self._strategy = trainer.strategy
@@ -77,7 +86,7 @@ class AccumulationCheck(pl.Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # after the window's backward passes, before Lightning clips; not the optimizer's step
         # pre-hook, which fires before the closure that runs the last micro-batch's backward
-        self.recorder.capture()
+        self.recorder.stepped()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.steps is not None and len(self.recorder.windows) >= self.steps:
@@ -100,7 +109,7 @@ class AccumulationCheck(pl.Callback):
             self._strategy.__dict__.pop("batch_to_device", None)
         finally:
             run.__exit__(None, None, None)
-        self._report = self._build_report(trainer, run)
+        self._ended = (trainer.gradient_clip_val, run.dropouts, _idle_fix(trainer))
 
     def _window_loss(self, module: Any, batch: Any) -> Any:
         """``loss(module, batch)``, or the module's ``training_step`` on the window as one batch,
@@ -121,19 +130,30 @@ class AccumulationCheck(pl.Callback):
                 module.__dict__.pop(name, None)
         return out.get("loss") if isinstance(out, Mapping) else out
 
-    def _build_report(self, trainer: Any, run: Float64Run) -> StackReport:
+    def _build_report(self, clip: Any, dropouts: int, idle_fix: str) -> StackReport:
         recorder, n = self.recorder, self._accum_steps
         reference = "loss(module, batch)" if self.loss is not None else \
             f"{type(self._module).__name__}.training_step (self.log silenced, accumulate_grad_batches 1)"
         notes = [f"Lightning's own loop: accumulate_grad_batches = {n}, gradient_clip_val = "
-                 f"{trainer.gradient_clip_val} (the gradient is read in on_before_optimizer_step, before clipping); "
+                 f"{clip} (the gradient is read in on_before_optimizer_step, before clipping); "
                  f"{reference} on the window as one batch for the reference",
-                 f"dropout off ({run.dropouts} rates set to 0); the module, its optimizers and the random states "
+                 f"dropout off ({dropouts} rates set to 0); the module, its optimizers and the random states "
                  "were put back after the fit"]
+        coverage = recorder.coverage("lightning.AccumulationCheck", "the fit's training batches",
+                                     "let the fit feed its batches (training_step with automatic optimization)",
+                                     "the fit", idle_fix)
         return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen,
                             {"lightning": pl.__version__, "torch": torch.__version__}, notes,
                             reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}) "
-                                      "among the Trainer's callbacks")
+                                      "among the Trainer's callbacks", coverage=coverage)
+
+
+def _idle_fix(trainer: Any) -> str:
+    """Why a fit took no step, from the Trainer's settings: no epoch, no step, no batch, or no data."""
+    for name in ("max_epochs", "max_steps", "limit_train_batches"):
+        if getattr(trainer, name, None) == 0:
+            return f"the Trainer has {name}=0; let it train at least one window"
+    return "was the training data loader empty? give the fit at least one batch"
 
 
 class CaseModule(pl.LightningModule):

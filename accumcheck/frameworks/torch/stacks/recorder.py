@@ -21,6 +21,7 @@ import torch
 
 from ....backend import StackWindow
 from ....errors import AccumcheckError
+from ....judge.stack import Coverage
 from ....usermodel import map_leaves
 from ..model import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
@@ -156,7 +157,9 @@ class StackRecorder:
     ``window_loss(model, batch)`` is the loss of a batch as the stack computes it, applied to
     the window's micro-batches joined (``join_window``, default: concatenated along dim 0,
     sequences right-padded to one length). ``capture()`` is called before clipping and, as a
-    fallback, from the optimizer's step pre-hook; a window is captured once."""
+    fallback, from the optimizer's step pre-hook; a window is captured once. ``stepped()`` counts
+    the stack's real optimizer steps (``optimizer_steps``) and, in ``unrecorded``, those with no
+    micro-batch recorded since the step before: steps the check did not judge."""
 
     def __init__(self, model: torch.nn.Module, window_loss: Callable[[Any, Any], Any],
                  join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False) -> None:
@@ -167,6 +170,9 @@ class StackRecorder:
         self.windows: list[StackWindow] = []
         self.pending: list[tuple[int, Any]] = []
         self.seen = 0
+        self.optimizer_steps = 0
+        self.unrecorded: list[int] = []
+        self._captured = False  # a window captured since the last optimizer step
         self._hooks: list[Any] = []
 
     def record(self, batch: Any) -> None:
@@ -180,12 +186,27 @@ class StackRecorder:
         a stack that runs the last backward inside ``step(closure)`` (Lightning): the hook fires
         before that gradient exists."""
         inner = innermost_optimizer(optimizer)
-        self._hooks.append(inner.register_step_pre_hook(lambda *_: self.capture()))
+        self._hooks.append(inner.register_step_pre_hook(lambda *_: self.stepped()))
+
+    def stepped(self) -> None:
+        """The stack's optimizer steps now: the window is captured where it was not yet; a step
+        with no micro-batch recorded since the one before is one the check does not judge."""
+        self.capture()
+        if not self._captured:
+            self.unrecorded.append(self.optimizer_steps)
+        self.optimizer_steps += 1
+        self._captured = False
 
     def unwatch(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def coverage(self, who: str, feed: str, fix: str, idle: str, idle_fix: str) -> Coverage:
+        """What the recorder counted beside its windows, with the words that say what was not judged
+        (``accumcheck.judge.stack.Coverage``)."""
+        return Coverage(who=who, feed=feed, fix=fix, idle=idle, idle_fix=idle_fix,
+                        optimizer_steps=self.optimizer_steps, unrecorded=list(self.unrecorded))
 
     def capture(self) -> None:
         """The current window: the gradient in ``.grad`` now, and the window's as one batch (the
@@ -220,6 +241,7 @@ class StackRecorder:
                                         item_counts=None if None in counts else counts,
                                         predicted_counts=None if None in predicted else predicted))
         self.pending = []
+        self._captured = True
 
 
 def _grad(p: torch.Tensor) -> np.ndarray:

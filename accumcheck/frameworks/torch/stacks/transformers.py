@@ -9,7 +9,9 @@ What would hide the check is handled: the gradient is read before the Trainer cl
 micro-batches are recorded as the Trainer feeds them (after its sampler shuffled them); the
 reference is computed before the optimizer moves the parameters; and the model, its optimizer
 and scheduler (where the Trainer had them), the Trainer's state and the random states are put
-back afterwards, so the check leaves no trace of the steps it ran.
+back afterwards, so the check leaves no trace of the steps it ran. A run that took no optimizer
+step and fed no micro-batch (``num_train_epochs=0``, ``max_steps=0``) raises NothingJudgedError
+once all that is put back: nothing was judged, so nothing passes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from .recorder import Float64Run, StackRecorder, stack_library
 def check(trainer: Any, steps: int | None = None) -> StackReport:
     """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
     for) in float64 and judge each step's gradient against its window's as one batch. Returns a
-    StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on."""
+    StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on.
+    Raises NothingJudgedError where the Trainer ran no optimizer step and fed no micro-batch."""
     transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if not isinstance(trainer, transformers.Trainer):
         raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
@@ -78,10 +81,21 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
              "micro-batches as the Trainer's sampler fed them",
              f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
              "optimizer, scheduler, Trainer state and random states were put back after it"]
+    coverage = recorder.coverage("transformers.check", "the Trainer's training_step", "let the Trainer's own loop "
+                                 "feed its micro-batches (a training loop of your own: accumcheck.integrations.accelerate)",
+                                 "the Trainer", _idle_fix(args))
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
                         reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
-                        micro_batches_expected=expected)
+                        micro_batches_expected=expected, coverage=coverage)
+
+
+def _idle_fix(args: Any) -> str:
+    """Why a Trainer took no step, from its arguments: no epoch and no max_steps, or no data."""
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        return (f"its arguments ask for num_train_epochs={args.num_train_epochs:g} and max_steps={args.max_steps}; "
+                "train for at least one epoch or give max_steps")
+    return "is its train_dataset empty? give it at least one micro-batch, or a positive max_steps"
 
 
 def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
