@@ -1,12 +1,16 @@
 """What a check changes on the user's Gluon block, and how it is put back as it was found: the
 gradients and their ``grad_req``, auxiliary state (BatchNorm's running statistics and every other
 parameter with ``grad_req='null'``), parameters still waiting for deferred initialisation, and
-the layers that behave differently in training (Dropout, BatchNorm)."""
+the layers that behave differently in training (Dropout, BatchNorm). What the user's own code
+may change while the check runs is put back too: the weights' values (a ``step`` that edits
+them) and the blocks' attributes (a forward that rebinds ``self.seen``), by identity and value."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+import numpy as np
 
 from .library import mx
 
@@ -68,17 +72,99 @@ def deferred_kept(params: dict[str, Any], block: Any) -> Iterator[list[str]]:
 
 @contextmanager
 def grads_kept(params: dict[str, Any], block: Any) -> Iterator[None]:
-    """Afterwards: each parameter's grad_req and gradients as they were."""
-    saved = {name: (p.grad_req, [g.copy() for g in p.list_grad()]) for name, p in params.items()}
+    """Afterwards: each parameter's grad_req and gradients as they were, the very arrays (a new
+    grad_req makes Gluon allocate new ones) with their values."""
+    saved = {name: (p.grad_req, p.list_grad(), [g.copy() for g in p.list_grad()]) for name, p in params.items()}
     try:
         yield
     finally:
-        for name, (req, grads) in saved.items():
+        for name, (req, arrays, values) in saved.items():
             param = params[name]
             param.grad_req = req
-            for target, value in zip(param.list_grad(), grads):
+            if any(now is not was for now, was in zip(param.list_grad(), arrays)):
+                param._grad = list(arrays)  # as Parameter._init_grad binds them
+                mx.autograd.mark_variables(param.list_data(), param._grad, req)
+            for target, value in zip(arrays, values):
                 target[:] = value
         clear_cached_ops(block)
+
+
+class WeightsKept:
+    """The values of the parameters with a gradient, on the host: ``changed()`` names those the
+    user's code edited in place since (``set_data``, ``data()[:] = ...``), ``restore()`` puts
+    them back."""
+
+    def __init__(self, params: dict[str, Any]):
+        self.saved = {name: (p, [d.asnumpy() for d in p.list_data()]) for name, p in params.items()}
+
+    def changed(self) -> list[str]:
+        return [name for name, (param, values) in self.saved.items()
+                if any(not _same_bits(now.asnumpy(), was) for now, was in zip(param.list_data(), values))]
+
+    def restore(self) -> None:
+        for name in self.changed():
+            param, values = self.saved[name]
+            for target, value in zip(param.list_data(), values):
+                target[:] = value
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.reshape(-1).view(np.uint8),
+                                                                         b.reshape(-1).view(np.uint8))
+
+
+# A Block's own fields that follow its cached graph: dropped by _clear_cached_op, rebuilt by the next call.
+CACHED_FIELDS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
+
+
+@contextmanager
+def attributes_kept(block: Any) -> Iterator[None]:
+    """Afterwards: every block's attributes as they were (a forward that rebinds ``self.seen``,
+    adds an attribute or appends to a list), the same objects; the values of NDArrays and numpy
+    arrays among them, and what their dicts and lists held (the registries of children and
+    parameters among them)."""
+    blocks: list[Any] = []
+    block.apply(blocks.append)
+    saved = [(b, dict(vars(b))) for b in blocks]
+    values = [value for _, fields in saved for key, value in fields.items() if key not in CACHED_FIELDS]
+    containers = [(value, _items(value)) for value in values if isinstance(value, (dict, list))]
+    arrays = [(value, value.copy()) for value in values if _dense(value)]
+    try:
+        yield
+    finally:
+        for b, fields in saved:
+            now = vars(b)
+            for key in [key for key in now if key not in fields and key not in CACHED_FIELDS]:
+                del now[key]
+            for key, value in fields.items():
+                if key not in CACHED_FIELDS and now.get(key, _MISSING) is not value:
+                    now[key] = value
+        for container, items in containers:
+            if [(k, id(v)) for k, v in _items(container)] != [(k, id(v)) for k, v in items]:
+                container.clear()
+                if isinstance(container, dict):
+                    container.update(items)
+                else:
+                    container.extend(v for _, v in items)
+        for array, value in arrays:
+            if isinstance(array, np.ndarray):
+                if array.flags.writeable:
+                    array[...] = value
+            else:
+                array[:] = value
+
+
+_MISSING = object()
+
+
+def _items(container: dict | list) -> list[tuple[Any, Any]]:
+    return list(container.items() if isinstance(container, dict) else enumerate(container))
+
+
+def _dense(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    return isinstance(value, mx.nd.NDArray) and value.stype == "default"
 
 
 class AuxState:

@@ -6,8 +6,10 @@
 
 The block runs once with ``grad_req='add'`` and once with ``grad_req='write'`` plus a buffer, on
 the same batches; each parameter tensor is judged as ``accumcheck compare`` judges a case. The
-block is left as it was found: parameters (BatchNorm's running statistics too), their
-``grad_req`` and gradients, parameters still waiting for deferred initialisation, Dropout rates.
+block is left as it was found, also when the check raises: parameters (BatchNorm's running
+statistics too, and weights the user's code edited), their ``grad_req`` and gradients, parameters
+still waiting for deferred initialisation, Dropout rates, the blocks' attributes; and Python's and
+NumPy's random states.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import inspect
 import re
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from ...backend import FullBatchGap, ParamAccumulation, Progress, RunResult
 from ...cases import infer_kind
-from ...errors import AccumcheckError
+from ...errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
 from ...faults import Fault, parse_fault, resolve_fault
 from ...judge import build_report
 from ...options import MODES, REDUCTIONS
@@ -34,6 +37,7 @@ from ...usermodel import (
     apply_loss,
     batch_source,
     call_model,
+    host_random_states,
     map_leaves,
     model_error,
     own_loss,
@@ -42,6 +46,8 @@ from ...usermodel import (
 from .accumulator import accumulator_pass
 from .blockstate import (
     AuxState,
+    WeightsKept,
+    attributes_kept,
     clear_cached_ops,
     deferred_kept,
     grads_kept,
@@ -61,6 +67,9 @@ Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 # Block.__call__ takes no keyword arguments in MXNet 1.x: a dict meets forward's parameter names.
 GLUON_CALLS = "a tuple is passed as block(*inputs), a dict by the names of forward's parameters"
 StepFunction = Callable[[Any, Batch], Any]
+OWN_BACKWARD = "return the loss; accumcheck calls backward itself"
+# What MXNet says when backward() meets a loss whose graph is gone or was never recorded.
+NOT_RECORDED = "not in a computational graph"
 
 
 def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
@@ -90,8 +99,10 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     them), divided by N for "mean" (each micro-batch's mean loss). ``inject`` (e.g. ``"scale"``,
     ``"drop-step:dense0_weight"``) perturbs the native accumulation to prove the check fires. A
     check that would need more memory beside the block than is available is refused unless
-    ``force``. Returns a Report; raises AccumcheckError for bad input and for an exception raised
-    by the block, the loss or the step function.
+    ``force``. Returns a Report; raises AccumcheckError for bad input, UserCodeError for an
+    exception raised by the batches, the block, the loss or the step function (SystemExit too; a
+    backward() of their own, weights they edit), NothingJudgedError when no parameter received a
+    gradient. The block and the random states are left as found, also when it raises.
     """
     started = time.perf_counter()
     _check_arguments(block, loss_fn, batches, step, oracle, full_batch, collate, loss_reduction)
@@ -100,14 +111,14 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
     fault = parse_fault(inject) if inject is not None else None
     everything, aliases = unique_params(block)
     _check_initialised(everything)
-    get_batch, steps = batch_source(batches, accum_steps)
-    # The float64 passes' micro-batches, read once; ones that do not join are refused before anything runs.
-    listed = [guarded(k, "batches", get_batch, k) for k in range(steps)] if oracle or full_batch else []
-    whole = join(listed, collate) if full_batch else None
-    ctx = _context(everything, ctx)
-    micro = MicroStep(block, get_batch, ctx, loss_fn, step)
-    notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
-    with deferred_kept(everything, block) as deferred:
+    with _as_found(block, everything) as weights, deferred_kept(everything, block) as deferred:
+        get_batch, steps = batch_source(batches, accum_steps)
+        # The float64 passes' micro-batches, read once; ones that do not join are refused before anything runs.
+        listed = [guarded(k, "batches", get_batch, k) for k in range(steps)] if oracle or full_batch else []
+        whole = join(listed, collate) if full_batch else None
+        ctx = _context(everything, ctx)
+        micro = MicroStep(block, get_batch, ctx, loss_fn, step)
+        notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
         if deferred:
             micro(0)  # no recording: the forward that initialises them, as the block's first call would
             notes.append("parameters initialised from micro-batch 0's shapes (deferred initialisation), "
@@ -125,6 +136,7 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         check_resources(estimate_model(elements, oracle or full_batch), "check", force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
         grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
+        _refuse_edited(weights, micro)
         oracle_grads, gap = None, None
         if oracle or full_batch:
             twins: list[MicroStep] = []  # the micro-steps on the float64 copy: the last one names a failing batch
@@ -137,8 +149,8 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                 oracle_grads, gap = float64_passes(block, micro_on, listed, whole, ctx, loss_reduction,
                                                    loss_fn is not None, train_mode, progress)
             except mx.base.MXNetError as exc:
-                failed = (twins or [micro])[-1].index
-                raise model_error(_readable(exc), failed, "the float64 pass", GLUON_CALLS) from exc
+                failed = (twins or [micro])[-1]
+                raise _backward_error(exc, failed, "the float64 pass") from exc
         settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
         run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap,
                           oracle_grads if oracle else None)
@@ -147,10 +159,40 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                    "oracle": oracle or None, "full_batch": full_batch or None,
                    "loss_reduction": loss_reduction if full_batch else None}
         # Judged while deferred parameters are still initialised: the second pass runs the block again.
-        return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
-                            config={"model": type(block).__name__, "loss": loss,
-                                    **{k: v for k, v in options.items() if v is not None}},
-                            replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
+        try:
+            return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
+                                config={"model": type(block).__name__, "loss": loss,
+                                        **{k: v for k, v in options.items() if v is not None}},
+                                replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
+        except NothingJudgedError as exc:
+            raise NothingJudgedError(
+                f"check: nothing was judged: none of the block's {len(params)} parameters with a gradient received "
+                f"a non-zero one in the {steps} micro-batch{'es' * (steps != 1)}; make the loss depend on the "
+                "block's parameters (a constant loss, or one multiplied by zero, gives none)") from exc
+
+
+@contextmanager
+def _as_found(block: Any, params: dict[str, Any]) -> Iterator[WeightsKept]:
+    """Afterwards, also when the check raises, what the user's code may change while it runs:
+    Python's and NumPy's random states, the blocks' attributes, the weights' values (yielded, to
+    tell whether the user's code edited them)."""
+    weights = WeightsKept({name: p for name, p in params.items() if materialised(p) and p.grad_req != "null"})
+    try:
+        with host_random_states(), attributes_kept(block):
+            yield weights
+    finally:
+        weights.restore()
+
+
+def _refuse_edited(weights: WeightsKept, micro: MicroStep) -> None:
+    """A check needs the same weights in both passes: the user's code that edits them is refused
+    (they are put back afterwards)."""
+    edited = weights.changed()
+    if edited:
+        more = f" and {len(edited) - 1} more" if len(edited) > 1 else ""
+        raise UserCodeError(f"check: the weights changed while the check ran ({edited[0]}{more}): your "
+                            f"{micro.what} edits them (set_data, data()[:] = ..., an optimizer step); a check needs "
+                            "the same weights in every micro-batch: leave the update out (they are put back)")
 
 
 def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int,
@@ -172,29 +214,41 @@ def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
                 if progress is not None:
                     progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
         except mx.base.MXNetError as exc:
-            raise model_error(_readable(exc), micro.index, "the backward pass", GLUON_CALLS) from exc
+            raise _backward_error(exc, micro, "the backward pass") from exc
 
 
 class MicroStep:
     """The user's micro-step ``index`` on ``ctx``: (loss, output). An exception raised by the
-    user's code becomes a one-line AccumcheckError naming the micro-batch."""
+    user's code becomes a one-line UserCodeError naming the micro-batch. With ``probe`` set (the
+    parameters, their gradients zeroed), the next call also makes sure that the user's code did
+    not call backward() itself."""
 
     def __init__(self, block: Any, get_batch: Callable[[int], Batch], ctx: Any, loss_fn: Callable[..., Any] | None,
                  step: StepFunction | None):
         self.block, self.get_batch, self.ctx, self.loss_fn, self.step = block, get_batch, ctx, loss_fn, step
         self.index = 0
+        self.probe: dict[str, Any] | None = None
+        self.what = "step" if step is not None else "block or loss_fn" if loss_fn is not None else "block"
 
     def __call__(self, index: int) -> tuple[Any, Any]:
         self.index = index
         batch = on_context(guarded(index, "batches", self.get_batch, index), self.ctx)
         if self.step is not None:
             loss = guarded(index, "step", self.step, self.block, batch)
-            return _loss_array(loss, "step"), loss
-        inputs, target = split_batch(batch, self.loss_fn is not None)
-        out = guarded(index, "the block", call_block, self.block, inputs)
-        if self.loss_fn is None:
-            return own_loss(out, _is_scalar), out
-        return _loss_array(guarded(index, "loss_fn", apply_loss, self.loss_fn, out, target), "loss_fn"), out
+            result = _loss_array(loss, "step"), loss
+        else:
+            inputs, target = split_batch(batch, self.loss_fn is not None)
+            out = guarded(index, "the block", call_block, self.block, inputs)
+            if self.loss_fn is None:
+                result = guarded(index, "the block's output", own_loss, out, _is_scalar), out
+            else:
+                result = _loss_array(guarded(index, "loss_fn", apply_loss, self.loss_fn, out, target), "loss_fn"), out
+        if self.probe is not None:
+            params, self.probe = self.probe, None
+            if any(np.any(g.asnumpy()) for p in params.values() for g in p.list_grad()):
+                raise UserCodeError(f"check: your {self.what} called backward() itself on micro-batch {index} (the "
+                                    f"gradients, zeroed before it, were not zero when it returned); {OWN_BACKWARD}")
+        return result
 
 
 def call_block(block: Any, inputs: Any) -> Any:
@@ -217,13 +271,28 @@ def call_block(block: Any, inputs: Any) -> Any:
 
 
 def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, its exception (not an AccumcheckError) turned into model_error's one line."""
+    """``fn(*args)``, its exception (not an AccumcheckError; SystemExit too) turned into
+    model_error's one line; a backward() of its own where no graph is recorded, into the fix."""
     try:
         return fn(*args)
     except AccumcheckError:
         raise
-    except Exception as exc:
+    except USER_EXCEPTIONS as exc:
+        if isinstance(exc, mx.base.MXNetError) and NOT_RECORDED in str(exc):
+            raise UserCodeError(f"check: {what} called backward() on micro-batch {index} and MXNet refused it "
+                                f"({first_line(_readable(exc))}); {OWN_BACKWARD}") from exc
         raise model_error(_readable(exc), index, what, GLUON_CALLS) from exc
+
+
+def _backward_error(exc: BaseException, micro: MicroStep, phase: str) -> UserCodeError:
+    """The one line for an MXNetError raised by accumcheck's backward() (or an operator at the
+    next wait) on ``micro``'s current micro-batch; raise it ``from exc``."""
+    if NOT_RECORDED not in str(exc):
+        return model_error(_readable(exc), micro.index, phase, GLUON_CALLS)
+    return UserCodeError(f"check: the loss of micro-batch {micro.index} is {NOT_RECORDED} when accumcheck "
+                         f"calls backward() on it: your {micro.what} called backward() itself, or "
+                         f"computed the loss outside autograd (autograd.pause(), .detach(), a new NDArray); "
+                         f"{OWN_BACKWARD}, computed from the block's output")
 
 
 def on_context(value: Any, ctx: Any) -> Any:
@@ -244,6 +313,7 @@ def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
     refresh = partial(clear_cached_ops, block)
     counts: dict[str, int] = {}
     with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
+        micro.probe = params  # both native passes zero the gradients first: micro-step 0 finds them zero
         try:
             if mode == "native":
                 native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
@@ -254,7 +324,9 @@ def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep,
             manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
                                                                counts=counts)
         except mx.base.MXNetError as exc:  # raised by backward(), or by an operator at the next wait
-            raise model_error(_readable(exc), micro.index, "the backward pass", GLUON_CALLS) from exc
+            raise _backward_error(exc, micro, "the backward pass") from exc
+        finally:
+            micro.probe = None
     return {"native": native, "manual": manual, "exact": exact, "absum": absum, "counts": counts,
             "losses": {"mean_loss": native_loss, "manual_mean_loss": manual_loss}}
 
@@ -335,7 +407,7 @@ def _loss_array(loss: Any, what: str) -> Any:
     return loss
 
 
-def _readable(exc: Exception) -> Exception:
+def _readable(exc: BaseException) -> BaseException:
     """The exception with MXNet's C++ traceback lines and source locations taken out of its text,
     so that its first line says what failed."""
     lines = [line.removeprefix("MXNetError: ") for line in str(exc).strip().splitlines()

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...backend import FullBatchGap, Progress, window_scale
-from ...errors import AccumcheckError
+from ...errors import USER_EXCEPTIONS, AccumcheckError
 from ...usermodel import join_batches, map_leaves, split_batch
 from .blockstate import clear_cached_ops, layers_for_check, materialised, unique_params
 from .library import mx
@@ -24,7 +24,7 @@ def float64_twin(block: Any) -> Any:
     clear_cached_ops(block)  # a hybridized block's cached graph holds C handles that cannot be copied
     try:
         twin = copy.deepcopy(block)
-    except Exception as exc:
+    except USER_EXCEPTIONS as exc:
         raise AccumcheckError(f"check: oracle and full_batch need a float64 copy of the block, and copy.deepcopy "
                               f"failed ({type(exc).__name__}: {exc}); run without them") from exc
     twin.cast("float64")
