@@ -10,8 +10,9 @@
 ``optax.MultiSteps(optax.sgd(1.0), every_k_schedule=N)`` initialised on your parameters (its
 accumulator in their dtypes) and a float32 buffer added with ``tree_map`` (float64 for float64
 parameters), with float64 sums E and S on the host. Each parameter array is judged as
-``accumcheck compare --framework jax`` judges a case. Your params, batches and JAX's x64 flag
-are left as found.
+``accumcheck compare --framework jax`` judges a case. Your params (NumPy arrays among them, by
+value, also those your code edits), batches, JAX's x64 flag and Python's and NumPy's random
+states are left as found, also when the check raises.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from jax.experimental import enable_x64
 
 from ...backend import ParamAccumulation, Progress, RunResult
 from ...cases import infer_kind
-from ...errors import AccumcheckError
+from ...errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
 from ...faults import parse_fault, resolve_fault
 from ...judge import build_report
 from ...report import Report
-from ...usermodel import Batch, batch_source
+from ...usermodel import Batch, batch_source, host_random_states
 from .accumulate import accumulate, host_float
 from .library import versions
 from .multisteps import harmonic_note, mean_allowance, settings
@@ -41,11 +42,12 @@ from .run import device_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 LossFn = Callable[[Any, Batch], Any]
+Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 
 
-def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch],
-          accum_steps: int | None = None, *, oracle: bool = False, inject: str | None = None,
-          progress: Progress | None = None, jit: bool = True, grad_mean: bool = True) -> Report:
+def check(loss_fn: LossFn, params: Any, batches: Batches, accum_steps: int | None = None, *, oracle: bool = False,
+          inject: str | None = None, progress: Progress | None = None, jit: bool = True,
+          grad_mean: bool = True) -> Report:
     """Accumulate ``accum_steps`` micro-batches with optax.MultiSteps and by hand, and judge every
     parameter array.
 
@@ -56,12 +58,20 @@ def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batc
     MultiSteps' ``use_grad_mean`` (its running mean, optax's default, or a running sum).
     ``oracle`` also runs ``loss_fn`` on a float64 copy of params (JAX's x64 mode for that pass
     only). ``inject`` (e.g. ``"scale"``, ``"drop-step:params.Dense_0.kernel"``) perturbs the
-    native accumulation to prove the check fires. Returns a Report; raises AccumcheckError, in one
-    line, for bad input and for an exception raised by ``loss_fn`` or the batches.
+    native accumulation to prove the check fires. Returns a Report; raises, in one line,
+    AccumcheckError for bad input, UserCodeError for an exception raised by ``loss_fn`` or the
+    batches (SystemExit too), NothingJudgedError when no array received a gradient.
     """
     started = time.perf_counter()
     _check_arguments(loss_fn, batches, oracle, inject, jit, grad_mean)
     tree = ParamTree(params)
+    with host_random_states(), tree.kept():
+        return _check(loss_fn, tree, batches, accum_steps, oracle, inject, progress, jit, grad_mean, started)
+
+
+def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int | None, oracle: bool,
+           inject: str | None, progress: Progress | None, jit: bool, grad_mean: bool, started: float) -> Report:
+    """check's run, its arguments known to be right."""
     get_batch, steps = batch_source(batches, accum_steps)
     fault = resolve_fault(parse_fault(inject), list(tree.kinds.items()), steps) if inject is not None else None
     wide = tree.wide
@@ -90,8 +100,14 @@ def check(loss_fn: LossFn, params: Any, batches: Sequence[Batch] | Iterable[Batc
     name = getattr(loss_fn, "__name__", None)
     config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn(params, batch)",
               **{k: v for k, v in options.items() if v is not None}}
-    return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
-                        replay=partial(_replay, micro, wide, steps, progress))
+    try:
+        return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
+                            replay=partial(_replay, micro, wide, steps, progress))
+    except NothingJudgedError as exc:
+        raise NothingJudgedError(
+            f"check: nothing was judged: loss_fn's gradient was zero for all {len(tree.names)} arrays of params in "
+            f"the {steps} micro-batch{'es' * (steps != 1)}; make loss_fn depend on params (a constant, or a loss "
+            "under jax.lax.stop_gradient, gives none)") from exc
 
 
 class ParamTree:
@@ -102,9 +118,9 @@ class ParamTree:
     def __init__(self, params: Any) -> None:
         try:
             leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
-        except Exception as exc:
-            raise AccumcheckError(f"check: params could not be flattened as a pytree ({type(exc).__name__}: "
-                                  f"{_first_line(exc)}); pass a pytree of arrays such as a dict") from exc
+        except USER_EXCEPTIONS as exc:
+            raise UserCodeError(f"check: params could not be flattened as a pytree ({type(exc).__name__}: "
+                                  f"{first_line(exc)}); pass a pytree of arrays such as a dict") from exc
         if not leaves:
             raise AccumcheckError("check: params holds no arrays; pass the parameter pytree your loss_fn takes "
                                   "(e.g. a dict of jax arrays)")
@@ -123,8 +139,22 @@ class ParamTree:
 
     def arrays(self, dtype: Any = None) -> dict[str, Any]:
         """name -> the leaf as a jax array, in its own dtype or ``dtype`` (new arrays; the user's
-        stay as they are)."""
-        return {name: jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
+        stay as they are). A NumPy leaf is copied: on the CPU ``jnp.asarray`` would share its
+        memory, which the user's code could then change under the check."""
+        return {name: jnp.array(leaf, dtype=dtype or leaf.dtype, copy=True) if isinstance(leaf, np.ndarray)
+                else jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Afterwards, also when the check raises: the values of params' NumPy arrays as they were
+        (jax arrays cannot change; the user's own code may edit NumPy ones it holds)."""
+        saved = [(leaf, leaf.copy()) for leaf in self.leaves if isinstance(leaf, np.ndarray)]
+        try:
+            yield
+        finally:
+            for leaf, value in saved:
+                if leaf.flags.writeable:
+                    leaf[...] = value
 
     def tree(self, flat: dict[str, Any]) -> Any:
         """The user's structure with the arrays of ``flat``."""
@@ -222,17 +252,13 @@ def guarded(index: int, what: str, jit: bool, fn: Callable[..., Any], *args: Any
         return fn(*args)
     except AccumcheckError:
         raise
-    except Exception as exc:
+    except USER_EXCEPTIONS as exc:
         hint = "check that loss_fn(params, batch) takes your params and batches"
         traced = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
         if jit and (isinstance(exc, traced) or "is not a valid JAX type" in str(exc)):
             hint += "; under jit loss_fn is traced: pass jit=False if it needs concrete values"
-        raise AccumcheckError(f"check: {what} raised {type(exc).__name__} on micro-batch {index}: "
-                              f"{_first_line(exc)[:300]}; {hint}") from exc
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+        raise UserCodeError(f"check: {what} raised {type(exc).__name__} on micro-batch {index}: "
+                            f"{first_line(exc)}; {hint}") from exc
 
 
 def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int], Batch], steps: int, jit: bool,
@@ -249,11 +275,10 @@ def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int],
             try:
                 loss, grads = grad_of(params, batch)
                 loss_sum += float(loss)
-            except Exception as exc:
-                raise AccumcheckError(f"check: oracle=True runs loss_fn on a float64 copy of params (JAX's x64 mode) "
-                                      f"and it raised {type(exc).__name__} on micro-batch {index}: "
-                                      f"{_first_line(exc)[:300]}; let loss_fn follow its params' dtype, or run "
-                                      "without oracle") from exc
+            except USER_EXCEPTIONS as exc:
+                raise UserCodeError(f"check: oracle=True runs loss_fn on a float64 copy of params (JAX's x64 mode) "
+                                    f"and it raised {type(exc).__name__} on micro-batch {index}: {first_line(exc)}; "
+                                    "let loss_fn follow its params' dtype, or run without oracle") from exc
             for name, g in tree.flat(grads).items():
                 sums[name] += np.asarray(g, np.float64)
             if progress is not None:
