@@ -3,6 +3,7 @@ haiku-like dicts with lists): faithful at N = 16, every fault kind flagged on th
 and only there, bfloat16 parameters losing precision in MultiSteps' own accumulator, and the
 user's params, batches and JAX's x64 flag left as found."""
 
+import random
 import subprocess
 import sys
 
@@ -270,3 +271,113 @@ def test_accumcheck_jax_exports_check_lazily_and_the_backend_hands_it_out():
     assert accumcheck.jax.check is check and JaxBackend().model_check() is check
     code = "import sys, accumcheck.jax; assert 'jax' not in sys.modules and 'optax' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# ------------------------------------------------------------------------------- the user's code, left as found
+
+
+def small_numpy_params(dtype=np.float32):
+    rng = np.random.default_rng(4)
+    return {"w": rng.standard_normal((3, 2)).astype(dtype), "b": np.zeros(2, dtype)}
+
+
+def small_loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+# micro-batch k's target holds k, so that the user's code knows where it is
+SMALL_BATCHES = [(np.random.default_rng(k).standard_normal((4, 3)).astype(np.float32), np.full((4, 2), k, np.float32))
+                 for k in range(8)]
+
+
+def _index(batch):
+    return int(batch[1][0, 0])
+
+
+def _host_states():
+    python, numpy = random.getstate(), np.random.get_state()
+    return python, (numpy[0], numpy[1].tobytes(), *numpy[2:]), jax.config.jax_enable_x64
+
+
+JAX_RUNS = [("jit", None), ("no jit", None), ("no jit", "the pass"), ("oracle", None), ("oracle", "the pass"),
+            ("oracle", "the float64 pass"), ("float64 params", None), ("float64 params", "the pass")]
+
+
+@pytest.mark.parametrize("path, fails", JAX_RUNS, ids=[f"{p}-{f or 'succeeds'}" for p, f in JAX_RUNS])
+def test_a_loss_that_draws_random_numbers_leaves_both_generators_params_and_x64_as_found(path, fails):
+    """Python's and NumPy's random states bit for bit, the NumPy params and JAX's x64 flag as
+    found, whether the check succeeds or the loss raises at micro-batch 5."""
+    def loss_fn(params, batch):
+        np.random.rand(3)
+        random.random()
+        wide = params["w"].dtype == jnp.float64
+        if fails is not None and _index(batch) == 5 and (fails == "the float64 pass") == (wide and path == "oracle"):
+            raise ValueError("micro-batch 5 is bad")
+        return small_loss(params, batch)
+
+    params = small_numpy_params(np.float64 if path == "float64 params" else np.float32)
+    kwargs = {"jit": path == "jit", "oracle": path == "oracle"}
+    random.seed(1)
+    np.random.seed(1)
+    before, held = _host_states(), snapshot(params)
+    if fails is None:
+        assert accumcheck.jax.check(loss_fn, params, SMALL_BATCHES, **kwargs).exit_code == 0
+    else:
+        with pytest.raises(accumcheck.UserCodeError, match="raised ValueError on micro-batch 5: micro-batch 5 is bad"):
+            accumcheck.jax.check(loss_fn, params, SMALL_BATCHES, **kwargs)
+    assert _host_states() == before and snapshot(params) == held
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "raises"])
+def test_numpy_params_the_users_code_edits_in_place_are_put_back_and_the_check_does_not_see_the_edits(fails):
+    """On the CPU a jax array made from a NumPy array may share its memory: the check works on
+    copies, so edits to the user's arrays neither reach its gradients nor outlast it."""
+    params = small_numpy_params()
+    held = snapshot(params)
+
+    def editing(p, batch):
+        params["w"] += 1.0  # the user's own arrays, edited in place
+        params["b"][:] = np.nan
+        if fails and _index(batch) == 5:
+            raise ValueError("micro-batch 5 is bad")
+        return small_loss(p, batch)
+
+    if fails:
+        with pytest.raises(accumcheck.UserCodeError, match="micro-batch 5"):
+            accumcheck.jax.check(editing, params, SMALL_BATCHES, jit=False)
+    else:
+        edited = accumcheck.jax.check(editing, params, SMALL_BATCHES, jit=False)
+        clean = accumcheck.jax.check(small_loss, small_numpy_params(), SMALL_BATCHES, jit=False)
+        assert [t.max_abs_grad for t in edited.tensors] == [t.max_abs_grad for t in clean.tensors]
+        assert edited.exit_code == 0
+    assert snapshot(params) == held
+
+
+CONSTANT_LOSSES = {"1.0": lambda p, b: 1.0, "times zero": lambda p, b: jnp.float32(2.0) + 0 * jnp.sum(p["w"]),
+                   "stop_gradient": lambda p, b: small_loss(jax.lax.stop_gradient(p), b)}
+# op by op, a bare float is refused before the run: it is not an array
+CONSTANT_RUNS = [("1.0", True), ("times zero", True), ("times zero", False), ("stop_gradient", True),
+                 ("stop_gradient", False)]
+
+
+@pytest.mark.parametrize("loss, jit", CONSTANT_RUNS, ids=[f"{n}-{'jit' if j else 'no jit'}" for n, j in CONSTANT_RUNS])
+def test_a_loss_that_does_not_depend_on_params_is_refused_naming_the_fix(loss, jit):
+    with pytest.raises(accumcheck.NothingJudgedError) as info:
+        accumcheck.jax.check(CONSTANT_LOSSES[loss], small_numpy_params(), SMALL_BATCHES, jit=jit)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("check: nothing was judged: loss_fn's gradient was zero for all 2 "
+                                                "arrays of params in the 8 micro-batches")
+    assert "make loss_fn depend on params" in text
+
+
+def test_sys_exit_in_the_loss_is_the_users_error_naming_the_micro_batch():
+    def leaving(params, batch):
+        if _index(batch) == 5:
+            sys.exit(3)
+        return small_loss(params, batch)
+
+    with pytest.raises(accumcheck.UserCodeError) as info:
+        accumcheck.jax.check(leaving, small_numpy_params(), SMALL_BATCHES, jit=False)
+    assert "loss_fn raised SystemExit on micro-batch 5: exit code 3" in str(info.value)
+    assert isinstance(info.value.__cause__, SystemExit)

@@ -2,6 +2,8 @@
 initialisation, BatchNorm), an LSTM language model, the batch forms, step=, unused and tied
 parameters, train_mode, and one-line errors for bad input."""
 
+import random
+
 import numpy as np
 import pytest
 from attribution_checks import assert_explained
@@ -502,3 +504,177 @@ def test_an_unknown_mode_is_one_line(tokens):
     with pytest.raises(accumcheck.AccumcheckError, match="check: mode must be one of native, accumulator, "
                                                          "compensated, got 'kahan'"):
         accumcheck.mxnet.check(_language_model(), SOFTMAX, tokens, mode="kahan")
+
+
+# ------------------------------------------------------------------------------- the user's code, left as found
+
+
+class Restless(gluon.Block):
+    """A block whose forward changes what a check must put back: it rebinds an attribute, appends
+    to a list, adds to an NDArray in place, moves an average kept in a grad_req='null' Parameter,
+    and BatchNorm's running statistics move in train_mode."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=3)
+            self.norm = gluon.nn.BatchNorm(in_channels=4)
+            self.out = gluon.nn.Dense(2, in_units=4)
+            self.average = self.params.get("average", shape=(4,), init=mx.init.Zero(), grad_req="null")
+        self.seen, self.calls, self.total = 0, [], mx.nd.zeros(1)
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        self.calls.append(self.seen)
+        self.total += 1
+        hidden = self.norm(self.dense(x))
+        with autograd.pause():
+            self.average.set_data(self.average.data().astype(hidden.dtype) * 0.5 + hidden.mean(axis=0))
+        self.added = True
+        return self.out(hidden)
+
+
+def _restless():
+    mx.random.seed(0)
+    net = Restless(prefix="restless_")
+    net.initialize(mx.init.Xavier())
+    with autograd.record():
+        L2(net(mx.nd.ones((2, 3))), mx.nd.ones((2, 2))).backward()  # gradients left behind
+    del net.added
+    return net
+
+
+L2 = gluon.loss.L2Loss()
+# micro-batch k's label holds k, so that the user's code knows where it is
+RESTLESS_BATCHES = [(mx.nd.array(np.random.default_rng(k).standard_normal((2, 3))), mx.nd.full((2, 2), k))
+                    for k in range(8)]
+
+
+def _index(label):
+    return int(label[0, 0].asscalar())
+
+
+def _everything(net):
+    """What the user's code or the check may change: parameters, gradients (the arrays too),
+    the blocks' attributes, and Python's and NumPy's random states."""
+    grads = {name: p.list_grad() for name, p in net.collect_params().items() if p.grad_req != "null"}
+    return (_state(net), grads, net.seen, net.calls, list(net.calls), net.total, net.total.asnumpy(),
+            hasattr(net, "added"), random.getstate(), np.random.get_state())
+
+
+def _assert_everything_as_found(before, after):
+    _assert_same_state(before[0], after[0])
+    assert before[1].keys() == after[1].keys()
+    assert all(a is b for name in before[1] for a, b in zip(before[1][name], after[1][name])), "gradient arrays"
+    seen, calls, called, total, value, added, python, numpy = before[2:]
+    assert after[2] == seen and after[3] is calls and after[4] == called and after[5] is total, "attributes"
+    assert np.array_equal(after[6], value) and after[7] == added
+    assert after[8] == python, "Python's random state"
+    assert after[9][0] == numpy[0] and np.array_equal(after[9][1], numpy[1]) and after[9][2:] == numpy[2:], "NumPy's"
+
+
+RESTLESS_PATHS = {"native": {}, "train_mode": {"train_mode": True}, "oracle-full_batch": {"oracle": True,
+                                                                                           "full_batch": True},
+                  "accumulator": {"mode": "accumulator"}}
+RESTLESS_RUNS = [(path, fails) for path in RESTLESS_PATHS for fails in (None, "the passes")] + \
+    [("oracle-full_batch", "the float64 pass")]
+
+
+@pytest.mark.parametrize("path, fails", RESTLESS_RUNS, ids=[f"{p}-{f or 'succeeds'}" for p, f in RESTLESS_RUNS])
+def test_a_loss_that_draws_random_numbers_and_a_forward_that_changes_the_block_are_put_back(path, fails):
+    """Python's and NumPy's random states, the weights, BatchNorm's statistics and an average the
+    forward moves, gradients, and the blocks' attributes: bit for bit as found, whether the check
+    succeeds or the loss raises at micro-batch 5."""
+    options = RESTLESS_PATHS[path]
+
+    def loss_fn(out, label):
+        np.random.rand(3)
+        random.random()
+        if fails is not None and _index(label) == 5 and (fails == "the passes") == (out.dtype == np.float32):
+            raise ValueError("micro-batch 5 is bad")
+        return L2(out, label)
+
+    net = _restless()
+    random.seed(1)
+    np.random.seed(1)
+    before = _everything(net)
+    if fails is None:
+        report = accumcheck.mxnet.check(net, loss_fn, RESTLESS_BATCHES, **options)
+        assert report.exit_code == 0
+    else:
+        with pytest.raises(accumcheck.UserCodeError, match="loss_fn raised ValueError on micro-batch 5"):
+            accumcheck.mxnet.check(net, loss_fn, RESTLESS_BATCHES, **options)
+    _assert_everything_as_found(before, _everything(net))
+
+
+@pytest.mark.parametrize("edit", ["data()[:] +=", "set_data"])
+@pytest.mark.parametrize("at", [0, 5])
+def test_a_step_that_edits_the_weights_is_refused_and_they_are_put_back(edit, at):
+    def step(block, batch):
+        np.random.rand()
+        random.random()
+        if _index(batch[1]) == at:
+            with autograd.pause():
+                weight = block.dense.weight
+                if edit == "set_data":
+                    weight.set_data(weight.data() * 2)
+                else:
+                    weight.data()[:] += 1
+        return L2(block(batch[0]), batch[1])
+
+    net = _restless()
+    before = _everything(net)
+    with pytest.raises(accumcheck.UserCodeError, match=r"the weights changed while the check ran "
+                                                       r"\(restless_dense0_weight\): your step edits them"):
+        accumcheck.mxnet.check(net, batches=RESTLESS_BATCHES, step=step)
+    _assert_everything_as_found(before, _everything(net))
+
+
+def test_a_step_that_edits_an_average_without_a_gradient_passes_and_it_is_put_back():
+    """A grad_req='null' Parameter (an average, BatchNorm's statistics) the user's step moves in
+    place does not change the gradients: the check passes, and the values come back."""
+    def step(block, batch):
+        with autograd.pause():
+            block.average.data()[:] += 1
+            block.norm.running_mean.data()[:] += 1
+        return L2(block(batch[0]), batch[1])
+
+    net = _restless()
+    before = _everything(net)
+    assert accumcheck.mxnet.check(net, batches=RESTLESS_BATCHES, step=step).exit_code == 0
+    _assert_everything_as_found(before, _everything(net))
+
+
+def _backward_in_step(block, batch):
+    loss = L2(block(batch[0]), batch[1])
+    loss.backward()
+    return loss
+
+
+def _backward_retained(block, batch):
+    loss = L2(block(batch[0]), batch[1])
+    loss.backward(retain_graph=True)
+    return loss
+
+
+def _backward_in_loss(out, label):
+    loss = L2(out, label)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("how", ["step", "step, graph retained", "loss_fn", "deferred block"])
+def test_a_loss_or_step_that_calls_backward_itself_is_refused_with_the_fix(how):
+    """Native would count the user's backward and accumcheck's (2x), manual only the last: a
+    finding about the user's call, not the accumulation. Refused before anything is judged."""
+    net = _restless()
+    if how == "deferred block":
+        net = gluon.nn.Dense(2)  # its first call, which the check makes without recording, initialises it
+        net.initialize()
+    before = _state(net)
+    kwargs = {"loss_fn": _backward_in_loss} if how == "loss_fn" else \
+        {"step": _backward_retained if "retained" in how else _backward_in_step}
+    with pytest.raises(accumcheck.UserCodeError) as excinfo:
+        accumcheck.mxnet.check(net, batches=RESTLESS_BATCHES, **kwargs)
+    _one_line(excinfo, "backward() ", "micro-batch 0", "return the loss; accumcheck calls backward itself")
+    _assert_same_state(before, _state(net))
