@@ -1,4 +1,5 @@
-"""CSV: one row per tensor with every statistic, the run's facts repeated on each row."""
+"""CSV: one row per tensor with every statistic, the run's facts repeated on each row; every text
+from the report with its control characters escaped (``names.shown``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 from typing import Any
 
 from ..report import Cause, CrossReport, Report, SweepReport, TensorResult
+from .names import shown
 
 # A tensor's cause is a record of its own: its fields are columns of their own, cause_kind, cause_words, ...
 CAUSE_FIELDS = [f.name for f in dataclasses.fields(Cause)]
@@ -22,6 +24,7 @@ def _cell(value: Any, joiner: str = "x") -> Any:
 def csv_text(report: Report, agreement: dict[tuple[str, str], list[Any]] | None = None) -> str:
     """One row per tensor with every statistic; run facts repeated on each row. ``agreement``
     (a cross-framework report's): AGREEMENT_FIELDS' values by (framework, tensor), as columns."""
+    report = shown(report)
     buffer = io.StringIO()
     tensor_fields = [f.name for f in dataclasses.fields(TensorResult) if f.name != "cause"]
     run_fields = ["case", "framework", "device", "accum_steps", "seed", "inject"]
@@ -58,6 +61,7 @@ def _agreement_columns(report: CrossReport) -> dict[tuple[str, str], list[Any]]:
 def csv_rows(report: Report | CrossReport | SweepReport) -> str:
     """Every report's tensor rows under one header; a cross-framework report's rows with its
     agreement columns."""
+    report = shown(report)
     reports = [report] if isinstance(report, Report) else report.reports
     agreement = _agreement_columns(report) if isinstance(report, CrossReport) else None
     return "".join(csv_text(r, agreement) if i == 0 else csv_text(r, agreement).split("\n", 1)[1]

@@ -1,4 +1,6 @@
-"""One self-contained HTML file for sharing a reproduction: tables, details and the plots inlined."""
+"""One self-contained HTML file for sharing a reproduction: tables, details and the plots inlined.
+Every text from a report is escaped twice over: its control characters by ``names.shown``, its
+markup by ``html.escape``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import html
 from typing import Any
 
 from ..report import CrossReport, Report, SweepReport, TensorResult
+from .names import shown
 from .plots import growth, heatmaps, png_bytes, scatter
 from .text import (
     cause_words,
@@ -63,12 +66,12 @@ def _tensor_table(report: Report) -> str:
         # the cause in the verdict's colour, never in bold
         tint = " marginal" if t.flagged and t.cause else " suspicious" if t.verdict == "suspicious" and t.cause else ""
         cause = [f'<td class="text cause{tint}">{html.escape(cause_words(t))}</td>'] if causes else []
-        cells = [f'<td class="name">{html.escape(t.title)}</td>', f'<td class="text">{t.kind}</td>',
+        cells = [f'<td class="name">{html.escape(t.title)}</td>', f'<td class="text">{html.escape(t.kind)}</td>',
                  f'<td class="text">{"x".join(map(str, t.shape))}</td>', f"<td>{num(t.max_abs_grad)}</td>",
                  f'<td class="{cls}">{html.escape(t.label)}</td>', *cause] + \
                 [f"<td>{v}</td>" for v in (num(t.ratio), num(t.max_abs_diff), num(t.max_ulps), t.classic_mismatched,
                                            num(t.condition), num(t.err_native), num(t.err_manual))] + \
-                [f'<td class="text">{t.nearer}</td>', f"<td>{100 * t.norm_share:.3g}%</td>"]
+                [f'<td class="text">{html.escape(t.nearer)}</td>', f"<td>{100 * t.norm_share:.3g}%</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     header = "".join(f'<th class="name">{h}</th>' if i == 0 else f'<th class="text">{h}</th>' if h in ("verdict", "cause")
                      else f"<th>{h}</th>" for i, h in enumerate(head))
@@ -77,7 +80,7 @@ def _tensor_table(report: Report) -> str:
 
 
 def _report_section(report: Report, plots: bool = True) -> str:
-    parts = [f"<h2>{html.escape(report.case)}: {report.framework} on {html.escape(report.device)}, "
+    parts = [f"<h2>{html.escape(report.case)}: {html.escape(report.framework)} on {html.escape(report.device)}, "
              f"N = {report.accum_steps}</h2>",
              '<div class="meta">' + "<br>".join(html.escape(line) for line in header_lines(report)) + "</div>",
              _summary(summary_line(report), bool(report.exit_code)), _tensor_table(report)]
@@ -96,7 +99,8 @@ def _sweep_section(sweep: SweepReport) -> str:
     rows = sweep.rows()
     kinds = sorted({k for row in rows for k in row["kinds"]})
     head = "<tr><th>N</th><th>bound</th><th>√N</th>" + "".join(
-        f"<th>{k}: native</th><th>{k}: manual</th><th>{k}: |A−B|</th>" for k in kinds) + "<th>flagged</th></tr>"
+        f"<th>{k}: native</th><th>{k}: manual</th><th>{k}: |A−B|</th>" for k in map(html.escape, kinds)
+    ) + "<th>flagged</th></tr>"
     body = []
     for row in rows:
         cells = [f"<td>{row['N']}</td>", f"<td>{num(row['bound'])}</td>", f"<td>{num(row['sqrt_N'])}</td>"]
@@ -112,6 +116,7 @@ def _sweep_section(sweep: SweepReport) -> str:
 
 def html_report(report: Report | SweepReport | CrossReport) -> str:
     """The report as one HTML document with everything inlined."""
+    report = shown(report)
     if isinstance(report, SweepReport):
         first = report.reports[0]
         title = f"accumcheck sweep: {first.case}, {first.framework}"
@@ -125,8 +130,10 @@ def html_report(report: Report | SweepReport | CrossReport) -> str:
         body = [_summary(cross_summary(report), bool(report.exit_code))]
         body += [_report_section(r, plots=False) for r in report.reports]
         rows = "".join(f'<tr><td class="name">{html.escape(a.name)}</td>'
-                       f'<td class="text">{html.escape(" vs ".join(pair))}</td><td class="text">{a.kind}</td>'
-                       f'<td class="text{" flagged" if a.flagged else ""}">{a.verdict}</td><td>{num(a.ratio)}</td>'
+                       f'<td class="text">{html.escape(" vs ".join(pair))}</td>'
+                       f'<td class="text">{html.escape(a.kind)}</td>'
+                       f'<td class="text{" flagged" if a.flagged else ""}">{html.escape(a.verdict)}</td>'
+                       f'<td>{num(a.ratio)}</td>'
                        f"<td>{num(a.max_abs_diff)}</td><td>{num(a.max_ulps)}</td></tr>"
                        for a, pair in zip(report.agreement, report.pairs()))
         body.append("<h2>Manual accumulations compared</h2><table><thead><tr><th class='name'>tensor</th>"

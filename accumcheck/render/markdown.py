@@ -1,6 +1,9 @@
-"""GitHub-flavoured markdown for every report kind (a CI job summary, a bug report)."""
+"""GitHub-flavoured markdown for every report kind (a CI job summary, a bug report). Names are
+printed through ``names.shown`` and set in code spans that their own backticks and bars cannot end."""
 
 from __future__ import annotations
+
+import re
 
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
 from .text import (
@@ -22,10 +25,30 @@ from .text import (
     sweep_summary,
     tensor_details,
 )
+from .names import shown
+
+
+def _code(text: str) -> str:
+    """``text`` as a code span in a table cell: fenced by more backticks than it holds in a row, its
+    bars escaped (a table's cells end at a bar, even in code)."""
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}".replace("|", "\\|")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _block(lines: list[str]) -> list[str]:
+    """Lines in a fenced block that no line of theirs can close."""
+    fence = "`" * max(3, max((len(run) + 1 for line in lines for run in re.findall("`+", line)), default=3))
+    return [fence, *lines, fence]
 
 
 def markdown(report: Report) -> str:
     """A GitHub-flavoured markdown report: header, table, flagged details, summary."""
+    report = shown(report)
     out = [f"## accumcheck: {report.case} ({report.framework}, {report.device}, N = {report.accum_steps})", ""]
     out += [f"- {line}" for line in header_lines(report)] + [""]
     causes = has_causes(report)
@@ -37,19 +60,20 @@ def markdown(report: Report) -> str:
     for t in report.tensors:
         # flagged in bold, suspicious in italics; a cell's own | would end it
         verdict = f"**{t.label}**" if t.flagged else f"*{t.label}*" if t.verdict == "suspicious" else t.label
-        row = [f"`{t.title}`", t.kind, shape_text(t), num(t.max_abs_grad), verdict,
-               *([cause_words(t).replace("|", "\\|")] if causes else []), num(t.ratio), num(t.max_abs_diff),
+        row = [_code(t.title), _cell(t.kind), shape_text(t), num(t.max_abs_grad), _cell(verdict),
+               *([_cell(cause_words(t))] if causes else []), num(t.ratio), num(t.max_abs_diff),
                num(t.max_ulps), str(t.classic_mismatched), num(t.condition), num(t.err_native), num(t.err_manual),
                t.nearer]
         out.append("| " + " | ".join(row) + " |")
-    shown = noteworthy(report)
-    if shown:
-        out += ["", "```"] + [line for t in shown for line in tensor_details(t)] + ["```"]
+    detailed = noteworthy(report)
+    if detailed:
+        out += [""] + _block([line for t in detailed for line in tensor_details(t)])
     out += ["", f"**{summary_line(report)}**", ""]
     return "\n".join(out)
 
 
 def cross_markdown(cross: CrossReport) -> str:
+    cross = shown(cross)
     out = [markdown(r) for r in cross.reports]
     out.append(f"## {' vs '.join(cross.frameworks)}: manual accumulations")
     out.append("")
@@ -59,7 +83,7 @@ def cross_markdown(cross: CrossReport) -> str:
     out.append("|---|---|---|---|---:|---:|---:|---:|---:|")
     for row, pair in zip(cross.agreement, cross.pairs()):
         verdict = f"**{row.verdict}**" if row.flagged else row.verdict
-        out.append(f"| `{row.name}` | {' vs '.join(pair)} | {row.kind} | {verdict} "
+        out.append(f"| {_code(row.name)} | {_cell(' vs '.join(pair))} | {_cell(row.kind)} | {_cell(verdict)} "
                    f"| {num(row.ratio)} | {num(row.max_abs_diff)} | {num(row.max_ulps)} | {num(row.float32_err_a)} "
                    f"| {num(row.float32_err_b)} |")
     out += [""] + [f"- {line}" for line in forward_lines(cross)] + ["", f"**{cross_summary(cross)}**", ""]
@@ -67,6 +91,7 @@ def cross_markdown(cross: CrossReport) -> str:
 
 
 def sweep_markdown(sweep: SweepReport) -> str:
+    sweep = shown(sweep)
     rows = sweep.rows()
     kinds = sorted({k for row in rows for k in row["kinds"]})
     first = sweep.reports[0]
@@ -81,23 +106,25 @@ def sweep_markdown(sweep: SweepReport) -> str:
         for k in kinds:
             entry = row["kinds"].get(k, {})
             cells += [num(entry.get(m)) for m in ("native", "manual", "difference")]
-        out.append("| " + " | ".join(cells + [", ".join(row["flagged"]) or "-"]) + " |")
+        out.append("| " + " | ".join(cells + [_cell(", ".join(row["flagged"])) or "-"]) + " |")
     out += ["", f"**{sweep_summary(sweep)}**", ""]
     return "\n".join(out)
 
 
 def diff_markdown(diff: ReportDiff) -> str:
+    diff = shown(diff)
     out = [f"- A: {diff.names[0]}: {describe(diff.a)}", f"- B: {diff.names[1]}: {describe(diff.b)}", "",
            "| tensor | kind | verdict A | verdict B | ratio A | ratio B |", "|---|---|---|---|---:|---:|"]
     for c in diff.common:
         mark = "**" if c.changed else ""
-        out.append(f"| `{c.name}` | {c.kind} | {mark}{c.verdict_a}{mark} | {mark}{c.verdict_b}{mark} "
-                   f"| {num(c.ratio_a)} | {num(c.ratio_b)} |")
+        verdicts = " | ".join(f"{mark}{_cell(v)}{mark}" for v in (c.verdict_a, c.verdict_b))
+        out.append(f"| {_code(c.name)} | {_cell(c.kind)} | {verdicts} | {num(c.ratio_a)} | {num(c.ratio_b)} |")
     return "\n".join(out + [""] + [f"- {e}" for e in diff_extra_lines(diff)] + ["", f"**{diff_summary(diff)}**", ""])
 
 
 def stack_markdown(report: StackReport) -> str:
     """A training stack's check as markdown: its facts, one row an optimizer step, the summary."""
+    report = shown(report)
     out = [f"## accumcheck stack: {report.stack} ({report.model}, N = {report.accum_steps})", ""]
     out += [f"- {line}" for line in stack_header_lines(report)] + [""]
     out.append("| " + " | ".join(STACK_COLUMNS) + " |")

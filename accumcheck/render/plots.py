@@ -1,5 +1,6 @@
 """Pictures of a report (matplotlib, drawn off-screen): where each tensor sits against its bound,
-where in a tensor the differences sit, and how errors grow with the number of micro-steps."""
+where in a tensor the differences sit, and how errors grow with the number of micro-steps. Names in
+titles and labels are drawn as ``names.shown`` prints them, never read as mathtext."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from ..files import check_replaceable, safe_file_name
 from ..report import Report, TensorResult, TrajectoryReport, growth_rows
+from .names import shown
 from .text import decisive, marginal, suspicious
 
 KIND_COLOURS = {"embedding": "#d62728", "weight": "#1f77b4", "bias": "#2ca02c", "norm": "#9467bd"}
@@ -26,7 +28,9 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 9})
+    # parse_math off: a name's $...$ is drawn as it is, not read as mathtext (which a name could break)
+    plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 9,
+                         "text.parse_math": False})
     return plt
 
 
@@ -109,6 +113,7 @@ def scatter(report: Report) -> Any:
     """Each tensor's worst element: its distance from E against its round-off bound, log-log.
     Above the diagonal cannot be round-off; flagged tensors (ringed in dark red) are labelled with
     their cause, suspicious ones (ringed in amber) too."""
+    report = shown(report)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 6), constrained_layout=True)
     points = [(t.bound_at_worst, t.ratio * t.bound_at_worst, t) for t in report.tensors
@@ -167,6 +172,7 @@ def scatter(report: Report) -> Any:
 def heatmaps(report: Report) -> Any | None:
     """Where in each mapped tensor the modes sit furthest from E, as log10(ratio to the bound),
     one colour scale for all; None when no tensor has a map."""
+    report = shown(report)
     plt = _pyplot()
     mapped = [t for t in report.tensors if t.ratio_map]
     if not mapped:
@@ -223,6 +229,7 @@ def growth(reports: Sequence[Report]) -> Any:
     """Error against E, worst tensor of each kind, in units of u·S, against N (log-log), with the
     bound (N − 1) and the typical √N growth. An N with no error at all (N = 1) is said in words,
     not drawn."""
+    reports = shown(list(reports))
     plt = _pyplot()
     from matplotlib.ticker import NullFormatter, NullLocator
 
@@ -304,6 +311,7 @@ def trajectory(report: TrajectoryReport) -> Any:
     and the summary count them). A step where native and manual parameters are identical is
     marked on a row of its own, "identical", below the log scale (a zero has no place on it); the
     steps after a loss or parameter went inf or nan are shaded."""
+    report = shown(report)
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
