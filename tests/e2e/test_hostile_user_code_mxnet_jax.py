@@ -222,7 +222,7 @@ ROWS = [
              "returned); return the loss; accumcheck calls backward itself")),
     ("mxnet", "step-calls-backward-retaining", [], Refused("return the loss; accumcheck calls backward itself")),
     ("mxnet", "step-edits-weights", [], Refused("the weights changed while the check ran")),
-    ("mxnet", "loss-is-zero", [], Refused("nothing was judged")),
+    ("mxnet", "loss-is-zero", [], Refused("nothing was judged: none of the block's 4 parameters with a gradient")),
     ("mxnet", "loss-is-detached", [], Refused("the loss of micro-batch 0 is not in a computational graph")),
     ("jax", "good", [], Verdict(0, "OK: all 2 tensors")),
     ("jax", "good", ["--inject", "scale"], Verdict(1, "FLAGGED")),
