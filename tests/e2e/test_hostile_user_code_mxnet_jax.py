@@ -215,8 +215,10 @@ ROWS = [
     ("mxnet", "loss-raises", [], Refused("loss_fn raised ValueError on micro-batch 5: a bad label")),
     ("mxnet", "loss-exits", [], Refused("loss_fn raised SystemExit on micro-batch 5: exit code 3")),
     ("mxnet", "hook-raises", [], Refused("the block raised LookupError on micro-batch 5: a hook failed")),
-    ("mxnet", "float64-loss-raises", ["--oracle"], Refused("loss_fn raised TypeError on micro-batch 5")),
-    ("mxnet", "float64-loss-raises", ["--full-batch"], Refused("loss_fn raised TypeError on micro-batch 5")),
+    ("mxnet", "float64-loss-raises", ["--oracle"],
+     Refused("loss_fn on the float64 copy raised TypeError on micro-batch 5: no float64 here")),
+    ("mxnet", "float64-loss-raises", ["--full-batch"],
+     Refused("loss_fn on the float64 copy raised TypeError on micro-batch 5: no float64 here")),
     ("mxnet", "step-calls-backward", [],
      Refused("step called backward() itself on micro-batch 0 (the gradients, zeroed before it, were not zero when it "
              "returned); return the loss; accumcheck calls backward itself")),
@@ -233,7 +235,8 @@ ROWS = [
     ("jax", "loss-raises", [], Refused("loss_fn raised ValueError on micro-batch 5: a bad target")),
     ("jax", "loss-exits", [], Refused("loss_fn raised SystemExit on micro-batch 5: exit code 3")),
     ("jax", "callback-raises", [], Refused("raised XlaRuntimeError on micro-batch 5")),
-    ("jax", "float64-loss-raises", ["--oracle"], Refused("raised TypeError on micro-batch 5")),
+    ("jax", "float64-loss-raises", ["--oracle"],
+     Refused("runs loss_fn on a float64 copy of params (JAX's x64 mode) and it raised TypeError on micro-batch 5")),
 ]
 
 

@@ -142,7 +142,7 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
             twins: list[MicroStep] = []  # the micro-steps on the float64 copy: the last one names a failing batch
 
             def micro_on(other: Any, get: Callable[[int], Batch]) -> MicroStep:
-                twins.append(MicroStep(other, get, micro.ctx, micro.loss_fn, micro.step))
+                twins.append(MicroStep(other, get, micro.ctx, micro.loss_fn, micro.step, " on the float64 copy"))
                 return twins[-1]
 
             try:
@@ -224,25 +224,27 @@ class MicroStep:
     not call backward() itself."""
 
     def __init__(self, block: Any, get_batch: Callable[[int], Batch], ctx: Any, loss_fn: Callable[..., Any] | None,
-                 step: StepFunction | None):
+                 step: StepFunction | None, where: str = ""):
         self.block, self.get_batch, self.ctx, self.loss_fn, self.step = block, get_batch, ctx, loss_fn, step
-        self.index = 0
+        self.index, self.where = 0, where  # where: said after the failing part's name (" on the float64 copy")
         self.probe: dict[str, Any] | None = None
         self.what = "step" if step is not None else "block or loss_fn" if loss_fn is not None else "block"
 
     def __call__(self, index: int) -> tuple[Any, Any]:
         self.index = index
         batch = on_context(guarded(index, "batches", self.get_batch, index), self.ctx)
+        where = self.where
         if self.step is not None:
-            loss = guarded(index, "step", self.step, self.block, batch)
+            loss = guarded(index, f"step{where}", self.step, self.block, batch)
             result = _loss_array(loss, "step"), loss
         else:
             inputs, target = split_batch(batch, self.loss_fn is not None)
-            out = guarded(index, "the block", call_block, self.block, inputs)
+            out = guarded(index, f"the block{where}", call_block, self.block, inputs)
             if self.loss_fn is None:
-                result = guarded(index, "the block's output", own_loss, out, _is_scalar), out
+                result = guarded(index, f"the block's output{where}", own_loss, out, _is_scalar), out
             else:
-                result = _loss_array(guarded(index, "loss_fn", apply_loss, self.loss_fn, out, target), "loss_fn"), out
+                loss = guarded(index, f"loss_fn{where}", apply_loss, self.loss_fn, out, target)
+                result = _loss_array(loss, "loss_fn"), out
         if self.probe is not None:
             params, self.probe = self.probe, None
             if any(np.any(g.asnumpy()) for p in params.values() for g in p.list_grad()):
