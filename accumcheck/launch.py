@@ -1,13 +1,21 @@
-"""What the environment says about a job launcher (torchrun), read without importing torch."""
+"""Starting and ending processes: what the environment says about a job launcher (torchrun), read
+without importing torch, and the signals that end a run (SIGTERM and SIGHUP raised in the main
+thread as Ctrl-C raises KeyboardInterrupt, so that one path ends whatever the run started)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from typing import Any, Iterator
 
 from .errors import AccumcheckError
 
 # torchrun sets these for every rank; together they are what env:// rendezvous needs.
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What a terminal, a job scheduler or a service manager sends to end a process, besides Ctrl-C.
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def launched_world_size() -> int | None:
@@ -29,3 +37,49 @@ def launched_rank() -> int:
         return int(os.environ.get("RANK", "0")) if launched_world_size() is not None else 0
     except (AccumcheckError, ValueError):
         return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as SIGINT raises KeyboardInterrupt: the
+    ``finally`` blocks and ``with`` exits on the way out (data-parallel ranks, a progress bar, a
+    file half written) run for all three alike."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signal_number(exc: KeyboardInterrupt) -> int:
+    """The signal behind ``exc``: its own for Terminated, SIGINT for Ctrl-C."""
+    return exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@contextlib.contextmanager
+def ending_signals() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP raise Terminated in the main thread; the handlers
+    before are put back after. Only signals left at their default (death without cleanup) are
+    taken: one ignored (``nohup``) or handled by the host program stays as it is. Outside the
+    main thread (where Python cannot set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved: dict[int, Any] = {}
+    for signum in _ENDING:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            saved[signum] = signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)

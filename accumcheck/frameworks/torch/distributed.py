@@ -20,7 +20,9 @@ RunResult, so a run started by torchrun reports the same on each rank (the CLI p
 Launch: ``torch.multiprocessing`` starts W processes on this machine (forked from a server that
 has imported PyTorch once; rendezvous through a file), unless the process already belongs to a
 job: started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set: env:// rendezvous),
-or with a process group already initialised.
+or with a process group already initialised. Ranks it starts end with the run: an interrupted run
+(Ctrl-C; SIGTERM or SIGHUP on the command line) ends them before it returns, and a rank whose
+starting process is gone (even SIGKILLed) ends itself.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import multiprocessing
 import os
 import pickle
 import socket
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,10 @@ REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 # A rank waits this long for the others at a collective before giving up (the single-process
 # reference runs on rank 0 while the others wait for it).
 _TIMEOUT = datetime.timedelta(minutes=30)
+# An interrupted run's ranks get this long to go after SIGTERM before SIGKILL.
+_GRACE_S = 5.0
+# The exit status of a rank that ended because the process that started it was gone.
+_ORPHANED = 1
 
 
 def check_devices(device: str, world_size: int) -> None:
@@ -134,12 +143,20 @@ def _start_method() -> str:
 
 
 def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> RunResult:
-    """Start ``world_size`` processes with torch.multiprocessing and return rank 0's result."""
+    """Start ``world_size`` processes with torch.multiprocessing and return rank 0's result.
+
+    No rank outlives the call, however it ends: with a result, a rank's error, or Ctrl-C (SIGTERM
+    and SIGHUP too, which the command line raises like it) while this process waits, the ranks
+    still running are ended here. Where this process dies without a word (SIGKILL), each rank
+    ends itself (``_end_with_parent``); the fork server, which stays for the next run, ends when
+    its last client (this process and its ranks) has."""
     method = _start_method()
     with tempfile.TemporaryDirectory(prefix="accumcheck-ddp-") as folder:
         queue = mp.get_context(method).SimpleQueue()
+        # Daemonic: were the ranks ever still running when this process exits, multiprocessing
+        # ends them instead of waiting for them (a rank starts no processes of its own).
         context = mp.start_processes(_spawned, args=(world_size, folder, job, queue), nprocs=world_size,
-                                     join=False, start_method=method)
+                                     join=False, daemon=True, start_method=method)
 
         def drain() -> None:
             while not queue.empty():
@@ -156,15 +173,50 @@ def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> R
                 raise AccumcheckError(errors[0].read_text()) from None
             # Not a usage error: a rank crashed (its own output, above, says where).
             raise RuntimeError(f"rank {exc.error_index} of the data-parallel run died: {exc}") from None
+        finally:
+            _end(context.processes)
         drain()
         with open(Path(folder) / "result.pkl", "rb") as handle:
             return pickle.load(handle)
+
+
+def _end(processes: list[Any]) -> None:
+    """End the ranks still running: SIGTERM (a rank keeps its default action, death at once), then
+    SIGKILL for one still there after ``_GRACE_S``; each one reaped. Nothing to do after a run
+    that finished, whose ranks have all been joined."""
+    running = [process for process in processes if process.is_alive()]
+    for process in running:
+        process.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for process in running:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _end_with_parent() -> None:
+    """End this rank as soon as the process that started it ends, however it ends (SIGKILL too):
+    a daemon thread waits on multiprocessing's sentinel of the parent process (``parent_process()``,
+    the process that asked for the rank, not the fork server that forked it), which becomes ready
+    when that process is gone. Linux's PR_SET_PDEATHSIG (torch sets it to SIGINT) follows the
+    parent in the process tree, the fork server, which outlives a killed main process."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(_ORPHANED)
+
+    threading.Thread(target=watch, name="accumcheck-parent-watch", daemon=True).start()
 
 
 def _spawned(rank: int, world_size: int, folder: str, job: dict[str, Any], queue: Any) -> None:
     """Entry point of a spawned rank: rendezvous through a file in ``folder``, run, and leave
     rank 0's result (or this rank's AccumcheckError) there."""
     faulthandler.enable()  # a rank that crashes in native code says where
+    _end_with_parent()
 
     def report(phase: str, done: int, total: int) -> None:
         queue.put((phase, done, total))
