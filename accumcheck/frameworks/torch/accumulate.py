@@ -20,6 +20,7 @@ import torch
 
 from ...backend import Progress
 from ...cases import Case
+from ...errors import USER_EXCEPTIONS, AccumcheckError
 from ...faults import Fault, FaultInjector
 from ..hostsums import add_held, add_step
 from .accumulator import GradAccumulator
@@ -211,7 +212,8 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
                step_context: Callable[[int], Any] | None = None,
                reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
-               hold_refs: bool = False) -> dict[str, Any]:
+               hold_refs: bool = False,
+               backward_error: Callable[[BaseException, int], Exception] | None = None) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
     ``params`` maps names to leaf parameters, whose ``.grad`` is reset first. ``mode`` picks
@@ -221,9 +223,11 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
     the manual buffer adds (its all-reduced mean). ``hold_steps`` False: nothing kept beyond one
     micro-step (a memory budget's groups); ``hold_refs``: the micro-gradients are held, not copied
-    (a built-in model; see StepRecorder). Returns {"buffers": name -> (manual, exact, absum),
-    "native": name -> accumulated .grad, "loss": mean loss, "steps_with_grad": name -> micro-steps
-    with a gradient, for the parameters that missed some}."""
+    (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
+    error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
+    Returns {"buffers": name -> (manual, exact, absum), "native": name -> accumulated .grad,
+    "loss": mean loss, "steps_with_grad": name -> micro-steps with a gradient, for the parameters
+    that missed some}."""
     recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps, hold_refs)
     handles = []
     state = {"step": 0}
@@ -265,7 +269,14 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
             state["step"] = step
             with step_context(step) if step_context is not None else contextlib.nullcontext():
                 loss = step_loss(step)
-                loss.backward()
+                try:
+                    loss.backward()
+                except AccumcheckError:
+                    raise
+                except USER_EXCEPTIONS as exc:
+                    if backward_error is None:
+                        raise
+                    raise backward_error(exc, step) from exc
             recorder.flush()
             if accumulator is not None:
                 if injector is not None:

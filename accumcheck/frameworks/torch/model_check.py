@@ -9,7 +9,11 @@ One backward pass per micro-batch feeds both modes: ``.grad`` accumulating nativ
 manual buffer (float32, or the parameters' dtype when wider) with float64 sums E and S, fed from
 the same micro-gradients. Each parameter is judged as ``accumcheck compare`` judges a case. The
 model runs in eval mode (dropout off, batch-norm statistics frozen) unless ``train_mode``, and is
-left as it was found: parameters, ``.grad``, buffers, training flags and the random state.
+left as it was found, also when the check raises: its parameter and buffer tensors (the very
+objects, with their values), ``.grad``, training flags, and PyTorch's, Python's and NumPy's random
+states (``modelstate``). What the user's code raises is a UserCodeError naming the micro-batch; a
+loss that ``backward()`` was already called on, a loss that depends on no parameter and a loss
+scale that is not positive and finite are refused before anything is judged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import math
+import operator
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -24,25 +31,40 @@ import numpy as np
 import torch
 
 from ...backend import ParamAccumulation, Progress, RunResult
-from ...budget import checked_budget, plan
+from ...budget import FIXED_BYTES, checked_budget, minimum, plan
 from ...cases import infer_kind
-from ...errors import AccumcheckError
+from ...errors import USER_EXCEPTIONS, AccumcheckError
 from ...faults import parse_fault, resolve_fault
+from ...files import size_text
 from ...judge import Judge, build_report
 from ...options import MODES, REDUCTIONS
 from ...report import Report
 from ...resources import check_resources, estimate_model
-from ...usermodel import Batch, batch_source
+from ...usermodel import Batch, batch_source, host_random_states
 from .accumulate import accumulate
 from .judging import device_arrays, judged_on_device
 from .model import deterministic, isolated, to_numpy
 from .model_fullbatch import full_batch_gap
+from .modelstate import ModelState, snapshot_bytes
 from .needs import model_needs
-from .userbatch import micro_loss, to_device
+from .userbatch import backward_error, micro_loss, to_device
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_GRAD = operator.attrgetter("grad")
 
 
+def _leaves_host_state(check: Callable[..., Report]) -> Callable[..., Report]:
+    """``check`` with Python's and NumPy's random states and autograd's grad mode put back after
+    it, also when it raises (the user's code may draw from them or switch grad off)."""
+    @functools.wraps(check)
+    def run(*args: Any, **kwargs: Any) -> Report:
+        with host_random_states(), torch.set_grad_enabled(torch.is_grad_enabled()):
+            return check(*args, **kwargs)
+
+    return run
+
+
+@_leaves_host_state
 def check(model: Any, loss_fn: Callable[..., Any] | None = None,
           batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch] | None = None,
           accum_steps: int | None = None, device: str | None = None, oracle: bool = False,
@@ -75,7 +97,10 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     than is available is refused unless ``force``. ``memory_budget`` (bytes, or a text such as
     ``"512M"``) bounds what the check holds beside the model: the parameters are run and judged in
     groups that fit it, the micro-batches replayed for each group (not with ``oracle`` or
-    ``full_batch``). Returns a Report; raises AccumcheckError for bad input.
+    ``full_batch``); it includes the copy of the parameters and buffers kept to put them back.
+    Returns a Report; raises AccumcheckError for bad input, UserCodeError (one) for an exception
+    the user's batches, model, loss, ``step`` or gradient hooks raised (chained as its cause), and
+    NothingJudgedError when no parameter received a gradient.
     """
     started = time.perf_counter()
     _check_arguments(loss_fn, batches, step, mode, grad_scaler, full_batch, collate, loss_reduction)
@@ -103,19 +128,34 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     accum_dtype = torch.float64 if param_dtype == "float64" and mode == "native" else torch.float32
     uniform = first.dtype if len(set(dtypes.values())) == 1 else None
     scale = _scale_of(grad_scaler)
-    check_resources(estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch, budget), "check",
+    kept = snapshot_bytes(model)  # the copy that puts the model back
+    need = estimate_model(sum(p.numel() for p in params.values()), oracle or full_batch, budget)
+    check_resources(need if budget is not None else dataclasses.replace(need, bytes=need.bytes + kept), "check",
                     force=force)
-    parts = plan(model_needs(params, accum_dtype, mode, scale, where), budget, "check: memory_budget")
+    parts = _groups(model_needs(params, accum_dtype, mode, scale, where), budget, kept)
+    user = "step" if step is not None else "loss_fn" if loss_fn is not None else "the model"
 
     def step_loss(net: Any, dtype: Any, autocast_to: Any = None, scaled: float | None = None) -> Callable[[int], Any]:
+        watched = list(net.parameters())
+
         def run(index: int) -> Any:
-            batch = to_device(get_batch(index), where, dtype)
+            batch = to_device(get_batch(index), where, dtype, index)
+            grads = list(map(_GRAD, watched))  # to tell a loss that backward() was already called on
+            versions = [g._version for g in grads if g is not None]
             with torch.autocast(where.type, dtype=autocast_to) if autocast_to else contextlib.nullcontext():
                 loss = micro_loss(net, batch, index, loss_fn, step)
+            if any(map(operator.is_not, grads, map(_GRAD, watched))) or \
+                    versions != [g._version for g in grads if g is not None]:
+                raise AccumcheckError(f"check: {user} changed the parameters' .grad on micro-batch {index} (it called "
+                                      "backward() or zero_grad() itself); return the loss: accumcheck calls "
+                                      "backward() itself, once per micro-batch")
+            if loss.device != where:
+                raise AccumcheckError(f"check: the loss of micro-batch {index} is on {loss.device}, the model on "
+                                      f"{where}; compute the loss from the model's output, on the model's device")
             return loss * scaled if scaled is not None else loss
         return run
 
-    saved = _ModelState(model, params)
+    saved = ModelState(model)
     twin = None
     if oracle or full_batch:
         twin = _float64_copy(model)  # before any pass: the same buffers as the model
@@ -124,7 +164,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
         """The N micro-steps with ``part``'s parameters recorded: native and (manual, E, S) on the host."""
         result = accumulate(part, step_loss(model, uniform, cast, scale), steps,
                             fault if fault is not None and fault.param in part else None, progress, phase,
-                            accum_dtype, mode, hold_steps=budget is None)
+                            accum_dtype, mode, hold_steps=budget is None, backward_error=backward_error)
         if scale is None and judged_on_device(next(iter(part.values())).device):
             # Judged on the GPU: the tensors themselves, each with its reduction there.
             native = {name: device_arrays(g, *result["buffers"][name]) for name, g in result["native"].items()}
@@ -132,7 +172,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
         else:
             buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in part}
             native = {name: to_numpy(g) for name, g in result["native"].items()}
-        saved.restore_buffers()
+        saved.restore_values()
         return native, buffers, result
 
     def run_of(part: list[tuple[list[str], Any]], native: dict[str, Any], buffers: dict[str, Any],
@@ -165,8 +205,11 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
 
     def replay(names: list[str]) -> Iterator[dict[str, np.ndarray]]:
         """The micro-gradients of ``names`` again, as the first pass computed them (the judge's
-        second pass); the model is put back as found after it, also when it stops midway."""
-        again = _ModelState(model, params)
+        second pass), from the model as found; its tensors and values, gradients and flags are as
+        they were before it, after it, also when it stops midway."""
+        flags = [(m, m.training) for m in model.modules()]
+        grads = [(p, p.grad) for p in params.values()]
+        saved.restore_values()
         try:
             with deterministic(where, warn_only=True), isolated(where):
                 _set_mode(model, train_mode)
@@ -174,12 +217,22 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
                 for index in range(steps):
                     for p in params.values():
                         p.grad = None
-                    loss_of(index).backward()
+                    loss = loss_of(index)
+                    try:
+                        loss.backward()
+                    except AccumcheckError:
+                        raise
+                    except USER_EXCEPTIONS as exc:
+                        raise backward_error(exc, index) from exc
                     yield {name: _unscaled(params[name], scale) for name in names}
                     if progress is not None:
                         progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
         finally:
-            again.restore()
+            saved.restore_values()
+            for module, flag in flags:
+                module.training = flag
+            for p, grad in grads:
+                p.grad = grad
 
     config = {"model": type(model).__name__, "loss": loss, **{k: v for k, v in options.items() if v is not None}}
 
@@ -252,10 +305,32 @@ def _autocast_dtype(autocast: Any) -> Any:
 
 
 def _scale_of(grad_scaler: Any) -> float | None:
-    """The scaler's current scale, read without changing the scaler (``scale()`` would initialise it)."""
+    """The scaler's current scale, read without changing the scaler (``scale()`` would initialise
+    it). A scale that is not positive and finite is refused: gradients scaled by 0 or nan are 0/0
+    when unscaled, not an overflow, and nothing could be judged."""
     if grad_scaler is None or not grad_scaler.is_enabled():
         return None
-    return float(grad_scaler.get_scale())
+    scale = float(grad_scaler.get_scale())
+    if not (math.isfinite(scale) and scale > 0):
+        raise AccumcheckError(f"check: the GradScaler's scale is {scale!r}, and a loss scale must be positive and "
+                              "finite (a gradient scaled by it cannot be unscaled, so nothing could be judged); "
+                              "pass a GradScaler whose scale has settled, or one made with a positive init_scale")
+    return scale
+
+
+def _groups(needs: list[Any], budget: int | None, kept: int) -> list[list[str]]:
+    """The parameters' groups under ``memory_budget`` (``budget.plan``), with the copy of the model
+    kept to put it back (``kept`` bytes) inside the budget."""
+    if budget is None:
+        return plan(needs, None)
+    least = minimum(needs) + kept
+    if budget < least:
+        largest = max(needs, key=lambda n: n.alone)
+        raise AccumcheckError(f"check: memory_budget {size_text(budget)}: tensor {largest.name} alone needs "
+                              f"{size_text(largest.alone)} beside the model, the copy of the parameters and buffers "
+                              f"kept to put them back {size_text(kept)}, and {size_text(FIXED_BYTES)} is kept for "
+                              f"accumcheck's own code; give at least {least} ({size_text(least)})")
+    return plan(needs, budget - kept, "check: memory_budget")
 
 
 def _parameters(model: Any) -> list[tuple[list[str], Any]]:
@@ -289,6 +364,9 @@ def _same_parameters(twin: Any, groups: list[tuple[list[str], Any]]) -> dict[str
 
 
 def _check_device(params: dict[str, Any], device: str | None, where: Any) -> None:
+    if where.type == "meta":
+        raise AccumcheckError("check: the model's parameters are on the meta device, which holds shapes but no "
+                              "values; materialise them first (model.to_empty(device=...), then load its weights)")
     others = sorted({str(p.device) for p in params.values()} - {str(where)})
     if others:
         raise AccumcheckError(f"check: the model's parameters are on {where} and {', '.join(others)}; "
@@ -339,26 +417,3 @@ def _arrays(native: Any, buffers: tuple[Any, ...]) -> dict[str, Any]:
         return native
     manual, exact, absum = buffers
     return dict(native=native, manual=manual, exact=exact, absum=absum)
-
-
-class _ModelState:
-    """What a check may change on the user's model, saved to put back: ``.grad``, buffers
-    (batch-norm running statistics), every module's training flag."""
-
-    def __init__(self, model: Any, params: dict[str, Any]) -> None:
-        self.model, self.params = model, params
-        self.grads = {name: p.grad for name, p in params.items()}
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        self.training = [(m, m.training) for m in model.modules()]
-
-    def restore_buffers(self) -> None:
-        with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.copy_(value)
-
-    def restore(self) -> None:
-        self.restore_buffers()
-        for module, flag in self.training:
-            module.training = flag
-        for name, p in self.params.items():
-            p.grad = self.grads[name]

@@ -9,22 +9,41 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import AccumcheckError
+from ...errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from ...usermodel import apply_loss, call_model, join_batches, map_leaves, model_error, own_loss, split_batch
 
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models skip
 
 
-def to_device(value: Any, device: Any, dtype: Any = None) -> Any:
+def to_device(value: Any, device: Any, dtype: Any = None, index: int | str | None = None) -> Any:
     """``value`` with every tensor in it on ``device`` (floating ones in ``dtype`` when given),
-    through tuples, lists, named tuples and mappings; anything else as it is."""
+    through tuples, lists, named tuples and mappings; anything else as it is. ``index``: the
+    micro-batch ``value`` is (or the batch a string names), for a batch the user's own tensors
+    keep from moving (a tensor on the meta device, a subclass raising): a UserCodeError."""
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         leaf = leaf.to(device)
         return leaf.to(dtype) if dtype is not None and leaf.is_floating_point() else leaf
 
-    return map_leaves(value, move)
+    try:
+        return map_leaves(value, move)
+    except USER_EXCEPTIONS as exc:
+        if index is None:
+            raise
+        where = f"micro-batch {index}" if isinstance(index, int) else index
+        raise UserCodeError(f"check: moving {where} to {device} raised {type(exc).__name__}: {first_line(exc)}; "
+                            "give batches of tensors with values (not on the meta device)") from exc
+
+
+def backward_error(exc: BaseException, index: int | str) -> UserCodeError:
+    """The one-line error for an exception raised in the backward pass of micro-batch ``index``
+    (or of the batch a string names): a gradient hook or autograd function of the user's. Raise it
+    ``from exc``."""
+    where = f"micro-batch {index}" if isinstance(index, int) else index
+    return UserCodeError(f"check: the backward pass raised {type(exc).__name__} on {where}: {first_line(exc)}; a "
+                         "gradient hook (register_hook, register_post_accumulate_grad_hook) or an autograd function "
+                         "of the model raised")
 
 
 def is_scalar(value: Any) -> bool:
@@ -45,17 +64,21 @@ def micro_loss(model: Any, batch: Any, index: int | str, loss_fn: Callable[..., 
                 (own_loss(output, is_scalar), "the model")
     except AccumcheckError:
         raise
-    except Exception as exc:  # the user's model, loss or step failed on this batch
+    except USER_EXCEPTIONS as exc:  # the user's model, loss or step failed on this batch (or exited)
         culprit = "step" if step is not None else "the model or loss_fn" if loss_fn is not None else "the model"
         raise model_error(exc, index, culprit) from exc
+    where = f"micro-batch {index}" if isinstance(index, int) else index
     if not (is_scalar(loss) and loss.is_floating_point()):
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        where = f"micro-batch {index}" if isinstance(index, int) else index
         raise AccumcheckError(f"check: {what} must return a scalar loss tensor, got {got} on {where}; "
                               "reduce it with .mean() or .sum()")
     if not loss.requires_grad:
-        raise AccumcheckError(f"check: the loss of micro-batch {index} does not depend on any parameter (no grad_fn); "
+        raise AccumcheckError(f"check: the loss of {where} does not depend on any parameter (no grad_fn); "
                               "is the forward run under torch.no_grad()?")
+    if loss.grad_fn is None:
+        raise AccumcheckError(f"check: the loss of {where} is a leaf tensor (requires_grad, but no grad_fn), so it "
+                              "depends on no parameter; return the loss computed from the model's output, not a new "
+                              "tensor such as torch.tensor(value, requires_grad=True)")
     return loss
 
 
