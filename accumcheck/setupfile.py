@@ -2,19 +2,27 @@
 (default ``accumcheck_setup``) returns the keyword arguments of the model's framework's check
 (``accumcheck.<framework>.check``: at least ``model`` and ``batches``; JAX's ``loss_fn``,
 ``params`` and ``batches``); the framework is the backend that owns the model's class, or the
-parameters' arrays of a loss function."""
+parameters' arrays of a loss function.
+
+The file is imported, and its function called, with ``sys.argv`` set to ``[FILE.py]`` (a
+module-level ``parse_args()`` sees none of accumcheck's own flags) and their standard output and
+error taken aside: what they print goes to stderr once they return, so that stdout holds the
+report alone. Whatever they raise, ``sys.exit()`` and argparse's exits included, is one
+UserCodeError naming the file or the function."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
 from .backend import Backend
-from .errors import AccumcheckError
+from .errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from .registry import backend_names, get_backend
 
 DEFAULT_FUNCTION = "accumcheck_setup"
@@ -39,8 +47,8 @@ def user_check(model: Any, what: str = "check", params: Any = None) -> tuple[str
 
 def load_setup(target: str) -> dict[str, Any]:
     """The keyword arguments FILE.py:FUNCTION returns. Raises AccumcheckError, in one line, for a
-    missing file or function, a file or function that raises, or a result that is not a mapping
-    with ``model`` and ``batches``."""
+    missing file or function, or a result that is not a mapping with ``model`` and ``batches``;
+    UserCodeError for a file or function that raises or exits."""
     path_text, _, function = target.partition(":") if not Path(target).is_file() else (target, "", "")
     function = function or DEFAULT_FUNCTION
     path = Path(path_text)
@@ -53,9 +61,11 @@ def load_setup(target: str) -> dict[str, Any]:
         raise AccumcheckError(f"check {target}: {path.name} defines no function {function!r}; define it, or name "
                               f"yours as {path_text}:NAME")
     try:
-        setup = make()
-    except Exception as exc:
-        raise AccumcheckError(f"check {target}: {function}() raised {type(exc).__name__}: {_first(exc)}") from exc
+        with _as_a_script(path) as printed:
+            setup = make()
+    except USER_EXCEPTIONS as exc:
+        raise _raised(f"check {target}: {function}()", exc, printed,
+                      "a setup function returns check's arguments as a dict; return them instead of exiting") from exc
     if (not isinstance(setup, Mapping) or "batches" not in setup
             or not ("model" in setup or {"loss_fn", "params"} <= set(setup))):
         raise AccumcheckError(f"check {target}: {function}() must return a dict of check's arguments with at least "
@@ -88,15 +98,41 @@ def _import(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.resolve().parent))  # the file's own imports of its neighbours
+    sys.modules[name] = module  # as an import has it (dataclasses and pickle look the module up there)
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise AccumcheckError(f"check {path}: importing it raised {type(exc).__name__}: {_first(exc)}") from exc
+        with _as_a_script(path) as printed:
+            spec.loader.exec_module(module)
+    except USER_EXCEPTIONS as exc:
+        sys.modules.pop(name, None)
+        raise _raised(f"check {path}: importing it", exc, printed,
+                      "accumcheck imports the file with no command-line arguments (sys.argv = [the file]): put "
+                      "the script's own command-line handling under if __name__ == '__main__':, or give every flag "
+                      "a default") from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
 
 
-def _first(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else "no message"
+@contextlib.contextmanager
+def _as_a_script(path: Path) -> Iterator[io.StringIO]:
+    """The user's file run with ``sys.argv == [path]`` and its stdout and stderr taken aside
+    (yielded); what it printed goes to stderr afterwards, unless it raised (then the error names
+    its last line)."""
+    argv, printed = sys.argv, io.StringIO()
+    sys.argv = [str(path)]
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            yield printed
+    finally:
+        sys.argv = argv
+    sys.stderr.write(printed.getvalue())
+
+
+def _raised(what: str, exc: BaseException, printed: io.StringIO, exit_hint: str) -> UserCodeError:
+    """The one-line error for ``what`` (the import, the setup function) raising ``exc``: an exit
+    also names the last line it printed (argparse's error) and ``exit_hint``."""
+    if not isinstance(exc, SystemExit):
+        return UserCodeError(f"{what} raised {type(exc).__name__}: {first_line(exc)}")
+    lines = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+    said = f" after printing {lines[-1][:200]!r}" if lines else ""
+    return UserCodeError(f"{what} exited (SystemExit, {first_line(exc)}){said}; {exit_hint}")
