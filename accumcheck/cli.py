@@ -3,12 +3,14 @@ exit code.
 
 Exit codes: 0 every tensor faithful, 1 something flagged, 2 usage, input or configuration error,
 3 an internal error (a bug in accumcheck, never a finding: one line on stderr, the traceback saved
-to a file it names), 130 interrupted.
+to a file it names), 128 + the signal's number when interrupted: 130 Ctrl-C (SIGINT), 143 SIGTERM,
+129 SIGHUP.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -20,7 +22,7 @@ from . import api
 from .casefile import builtin_cases
 from .errors import AccumcheckError
 from .files import check_output_file, check_output_folder, write_or_rescue
-from .launch import launched_rank, launched_world_size
+from .launch import ending_signals, launched_rank, launched_world_size, signal_name, signal_number
 from .options import (
     MODES,
     OPTIONS_BY_NAME,
@@ -152,20 +154,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error("give a command: compare, sweep, train, check, stack, diff, cases or show")
+    # SIGTERM and SIGHUP end a run as Ctrl-C does: the ranks it started are ended, a progress bar
+    # is stopped (the cursor shown again), and the exit code is 128 + the signal's number.
+    with ending_signals():
+        try:
+            try:
+                return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
+                        "train": _train, "check": _check, "stack": _stack}[args.command](args)
+            except AccumcheckError as exc:
+                rank = launched_rank()
+                print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
+                return 2
+            except Exception as exc:  # a bug, not a finding: never exit 1, never a bare traceback
+                print(f"accumcheck: internal error ({type(exc).__name__}: {_first_line(exc)}); this is not an "
+                      f"accumulation finding; {_save_traceback()}", file=sys.stderr)
+                return INTERNAL_ERROR
+        except KeyboardInterrupt as exc:  # also a signal that came while an error was being told
+            return _interrupted(exc)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """Say that the run was interrupted (where stderr still takes it: after SIGHUP the terminal
+    may be gone) and return 128 + the signal's number: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP."""
+    signum = signal_number(exc)
     try:
-        return {"compare": _compare, "cases": _cases, "show": _show, "sweep": _sweep, "diff": _diff,
-                "train": _train, "check": _check, "stack": _stack}[args.command](args)
-    except AccumcheckError as exc:
-        rank = launched_rank()
-        print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("accumcheck: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # a bug, not a finding: never exit 1, never a bare traceback
-        print(f"accumcheck: internal error ({type(exc).__name__}: {_first_line(exc)}); this is not an "
-              f"accumulation finding; {_save_traceback()}", file=sys.stderr)
-        return INTERNAL_ERROR
+        print("accumcheck: interrupted" + (f" ({signal_name(signum)})" if signum != signal.SIGINT else ""),
+              file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or hung-up stderr
+        pass
+    return 128 + signum
 
 
 def _first_line(exc: BaseException) -> str:
@@ -387,8 +404,13 @@ class _LazyProgress:
         self.progress.update(self.tasks[phase], completed=done)
 
     def __exit__(self, *exc: object) -> None:
+        """Stop the bar: erase it and show the cursor again, also when the run ends by an error or
+        a signal (SIGINT, SIGTERM and SIGHUP are raised here, see ``main``)."""
         if self.progress is not None:
-            self.progress.stop()
+            try:
+                self.progress.stop()
+            except (OSError, ValueError):  # the terminal is gone (SIGHUP): nothing is left to restore
+                pass
 
 
 if __name__ == "__main__":
