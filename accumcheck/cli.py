@@ -10,6 +10,7 @@ to a file it names), 128 + the signal's number when interrupted: 130 Ctrl-C (SIG
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from .options import (
 from .registry import backend_names, backend_options
 from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
-from .render.table import cases_table
+from .render.table import render_cases
 from .render.text import one_line
 from .report import Report, diff_reports, load_report
 from .repro import check_request as check_repro
@@ -295,7 +296,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _cases(args: argparse.Namespace) -> int:
-    _console().print(cases_table(builtin_cases()))
+    render_cases(builtin_cases(), _console())
     return 0
 
 
@@ -333,8 +334,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _console() -> Any:
     from rich.console import Console
 
-    # Piped output has no width of its own; give tables room instead of folding them.
-    return Console(width=None if sys.stdout.isatty() else 120)
+    # A terminal has its width, and COLUMNS (read by rich) says a pipe's; a pipe without it gets
+    # 120 columns rather than rich's 80.
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() or (columns.isdigit() and int(columns) > 0) else 120)
 
 
 def _emit(report: Any, args: argparse.Namespace, text: str | None = None) -> None:

@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -19,10 +20,19 @@ settings.register_profile("thorough", max_examples=10_000, deadline=None)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def run_cli(*args: str, cwd=None, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    """Run the installed ``accumcheck`` console script (through this interpreter's environment)."""
+def run_cli(*args: str, cwd=None, timeout: float = 300, env=None, columns: int = 120) -> subprocess.CompletedProcess:
+    """Run the installed ``accumcheck`` console script (through this interpreter's environment),
+    its output piped and fitted to ``columns`` (COLUMNS set: a process that loaded readline, as
+    pytest does, passes its own terminal's width on to its children otherwise)."""
     exe = os.path.join(os.path.dirname(sys.executable), "accumcheck")
+    env = {**(os.environ if env is None else env), "COLUMNS": str(columns)}
     return subprocess.run([exe, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def unwrapped(output: str) -> str:
+    """The output with each command split between its options (`` \\`` and an indented next line)
+    joined again: a reproduce line as one line, however long its paths made it."""
+    return re.sub(r" \\\n +", " ", output)
 
 
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install 'accumcheck[torch]')")

@@ -1,5 +1,7 @@
 """Plain-text lines of every report kind, shared by the table, markdown, HTML and the assertion
-message. Rendering never computes: every figure comes from the report."""
+message. Rendering never computes: every figure comes from the report. Each function that takes a
+report reads it through ``names.shown``: a name in it is printed with its control characters
+escaped, whoever calls."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from ..budget import budget_note
 from ..report import KIND_ORDER, MARGINAL_RATIO, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
 from ..report.cross import OddOneOut
 from ..report.single import FullBatchResult, factor_text
+from .names import shown
 
 
 def num(x: float | None) -> str:
@@ -31,6 +34,7 @@ def index_text(index: list[int]) -> str:
 
 
 def header_lines(report: Report) -> list[str]:
+    report = shown(report)
     versions = " ".join(f"{k} {v}" for k, v in report.versions.items())
     native = report.bound["native"]
     allowance = native.get("kernel_allowance", 0.0)
@@ -65,6 +69,7 @@ def header_lines(report: Report) -> list[str]:
 def data_parallel_lines(report: Report) -> list[str]:
     """How a data-parallel run was set up, its bounds, and what the ranks and the single-process
     reference said."""
+    report = shown(report)
     p, bound = report.data_parallel, report.bound
     setup = p.setup
     w, n = setup.world_size, report.accum_steps
@@ -98,6 +103,7 @@ def data_parallel_lines(report: Report) -> list[str]:
 
 
 def full_batch_line(report: Report) -> str:
+    report = shown(report)
     f = report.full_batch
     verdict = "equivalent" if f.equivalent else "SEMANTIC MISMATCH (the loss normalisation, not round-off)"
     if f.explanation:  # what the accumulated gradient is (reports of earlier versions have no explanation)
@@ -188,6 +194,7 @@ def suspicious_words(tensors: list[TensorResult], failing: bool) -> str:
 def summary_line(report: Report) -> str:
     """One line: what was flagged (decisive tensors first, embeddings and weights first among
     them, then the marginal ones), what is suspicious, or that all is faithful."""
+    report = shown(report)
     n = len(report.tensors)
     flagged, hard, soft, odd = report.flagged, decisive(report), marginal(report), suspicious(report)
     failing = {id(t) for t in report.failing}  # under the run's fail_on policy
@@ -221,6 +228,7 @@ def summary_line(report: Report) -> str:
 
 def tensor_details(t: TensorResult) -> list[str]:
     """torch.testing-style lines for one tensor, plus what the bound knows."""
+    t = shown(t)
     pct = 100.0 * t.mismatched / t.numel if t.numel else 0.0
     lines = [f"{t.title} ({t.kind}, {shape_text(t)}, {t.dtype}): {t.label}"]
     if t.cause is not None and t.cause.detail:
@@ -299,6 +307,7 @@ def statistics_lines(t: TensorResult) -> list[str]:
 def cross_summary(cross: CrossReport) -> str:
     """One line: per-framework verdicts and whether the frameworks agree; with three or more, which
     framework disagrees with all the others on each tensor some pair disagrees on."""
+    cross = shown(cross)
     parts = [f"{r.framework}: {'FLAGGED ' + str(len(r.flagged)) if r.flagged else 'OK'}" for r in cross.reports]
     names = " vs ".join(cross.frameworks)
     tensors = len({a.name for a in cross.agreement})
@@ -348,6 +357,7 @@ def _and(items: list[str]) -> str:
 
 def forward_lines(cross: CrossReport) -> list[str]:
     """Each pair's logits of micro-batch 0 compared, the pair named."""
+    cross = shown(cross)
     if not cross.forwards():
         return ["forward: not compared"]
     return [f"forward (logits of micro-batch 0), {' vs '.join(cross.forward_pair(f))}: "
@@ -356,6 +366,7 @@ def forward_lines(cross: CrossReport) -> list[str]:
 
 
 def sweep_summary(sweep: SweepReport) -> str:
+    sweep = shown(sweep)
     if sweep.flagged:
         steps = sorted({n for n, _ in sweep.flagged})
         names = sorted({name for _, name in sweep.flagged})
@@ -367,6 +378,7 @@ def sweep_summary(sweep: SweepReport) -> str:
 
 
 def describe(a: Report) -> str:
+    a = shown(a)
     versions = " ".join(f"{k} {v}" for k, v in a.versions.items() if k != "accumcheck")
     return f"{a.case}, {a.framework} ({versions}) on {a.device}, N = {a.accum_steps}" + (
         f", injected {a.inject}" if a.inject else "")
@@ -374,6 +386,7 @@ def describe(a: Report) -> str:
 
 def diff_summary(diff: ReportDiff) -> str:
     """One line: which tensors changed verdict, or that none did."""
+    diff = shown(diff)
     changed = diff.changed
     if changed:
         return (f"{len(changed)} of {len(diff.common)} tensors changed verdict: "
@@ -383,12 +396,86 @@ def diff_summary(diff: ReportDiff) -> str:
 
 def diff_extra_lines(diff: ReportDiff) -> list[str]:
     """The tensors found in one report only."""
+    diff = shown(diff)
     return (([f"only in A: {', '.join(diff.only_a)}"] if diff.only_a else [])
             + ([f"only in B: {', '.join(diff.only_b)}"] if diff.only_b else []))
 
 
+# What each table column means, for its table's one-line legend; a table may say more of its own.
+LEGEND = {
+    "max|g|": "largest |E|, the gradient's magnitude",
+    "cause": "the fault the difference fits",
+    "ratio": "worst |mode − E| over its round-off bound (past 1: not round-off)",
+    "max|A-B|": "largest |native − manual|",
+    "ulps": "that distance in units in the last place",
+    "tol fails": "elements torch.testing's rtol/atol reject",
+    "cond": "condition number S/|E| (large: cancellation)",
+    "bound": "γ(N−1)/u ≈ N − 1, the worst case",
+    "√N": "how typical round-off grows",
+    "native": "worst |native − E| among the kind's tensors, in units of u·S",
+    "manual": "the same for manual",
+    "|A-B|": "worst |native − manual|, same units",
+    "flagged": "tensors past their bound",
+    "a vs b": "the frameworks compared",
+    "max|diff|": "largest |B_a − B_b|",
+    "fp32 err": "each framework's float32 error against its own float64 run",
+    "own total, worst ratio": "the rank's own total against its own E and S, over the bound",
+    "ratio A/B": "each report's ratio to its round-off bound",
+    "micro-batches": "the window's",
+    "items": "items in each micro-batch",
+    "factor": "the applied gradient over the window's as one batch",
+    "max rel diff": "largest difference, relative to the gradient's scale",
+    "why": "what the applied gradient is",
+    "loss": "mean micro-batch loss of each mode",
+    "KIND ulps": "max |θ native − θ manual| in float32 ulps",
+}
+
+
+def _legend_key(header: str) -> str:
+    """The legend's entry for a column: a family of columns (fp32 err torch, loss native, weight
+    ulps, ratio A) is said once."""
+    if header.startswith("fp32 err"):
+        return "fp32 err"
+    if header.startswith("loss "):
+        return "loss"
+    if header.endswith(" ulps"):
+        return "KIND ulps"
+    return "ratio A/B" if header in ("ratio A", "ratio B") else header
+
+
+def legend(headers: list[str], own: dict[str, str] | None = None) -> str:
+    """One line saying what the columns headed ``headers`` mean (those that need saying), in their
+    order; ``own``: meanings of this table's own, before LEGEND's."""
+    meanings = {**LEGEND, **(own or {})}
+    keys = list(dict.fromkeys(_legend_key(" ".join(h.split())) for h in headers))
+    return " · ".join(f"{key}: {meanings[key]}" for key in keys if key in meanings)
+
+
+def command_lines(line: str, width: int) -> list[str]:
+    """A line ending on an ``accumcheck`` command, split between its options with a shell's line
+    continuation where it is wider than ``width``: copied whole, it still runs."""
+    at = line.find("accumcheck ")
+    if len(line) <= width or at < 0 or "(" in line[at:]:
+        return [line]
+    units: list[str] = []
+    for word in line[at:].split(" "):
+        if word.startswith("--") or not units:
+            units.append(word)
+        else:
+            units[-1] += " " + word
+    lines, current = [], line[:at] + units[0]
+    for unit in units[1:]:
+        if len(current) + 1 + len(unit) + 2 <= width:
+            current += " " + unit
+        else:
+            lines.append(current + " \\")
+            current = "    " + unit
+    return lines + [current]
+
+
 def one_line(report: Report | CrossReport | SweepReport | StackReport) -> str:
     """The summary line of any comparison report kind."""
+    report = shown(report)
     if isinstance(report, StackReport):
         return report.summary()
     if isinstance(report, SweepReport):
@@ -403,6 +490,7 @@ STACK_COLUMNS = ("step", "micro-batches", "items", "verdict", "factor", "max rel
 
 def stack_header_lines(report: StackReport) -> list[str]:
     """The facts of a training-stack run a reader needs before its table."""
+    report = shown(report)
     versions = ", ".join(f"{k} {v}" for k, v in report.versions.items())
     return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} "
             f"(tolerance {report.tolerance:g} of the largest window gradient); {versions}",
@@ -412,6 +500,7 @@ def stack_header_lines(report: StackReport) -> list[str]:
 
 def stack_rows(report: StackReport) -> list[list[str]]:
     """One row an optimizer step, in STACK_COLUMNS' order."""
+    report = shown(report)
     rows = []
     for s in report.steps:
         r = s.result

@@ -5,7 +5,7 @@ import json
 import shlex
 
 import pytest
-from conftest import needs_torch, run_cli
+from conftest import needs_torch, run_cli, unwrapped
 
 from accumcheck.cli import main
 from accumcheck.report import load_report
@@ -70,7 +70,7 @@ def test_a_faithful_model_exits_0_and_says_how_to_rerun_it(setup_file):
     result = run_cli("check", str(setup_file), cwd=setup_file.parent)  # the console script, as a user runs it
     assert result.returncode == 0, result.stderr
     assert "model LM · torch on cpu · N = 16 micro-steps" in result.stdout
-    assert f"reproduce: accumcheck check {setup_file} --accum-steps 16" in result.stdout
+    assert f"reproduce: accumcheck check {setup_file} --accum-steps 16" in unwrapped(result.stdout)
     assert "embed.weight   embedding" in result.stdout
 
 

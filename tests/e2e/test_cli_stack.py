@@ -5,6 +5,7 @@ fixture that guards a stack at the run's --accum-steps."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,9 @@ pytest.importorskip("accelerate")
 
 
 def accumcheck(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    """The installed console script, as a user runs it."""
+    """The installed console script, as a user runs it, piped at 120 columns."""
     return subprocess.run([str(Path(sys.executable).parent / "accumcheck"), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+                          cwd=cwd, timeout=600, env={**os.environ, "COLUMNS": "120"})
 
 
 def test_the_trainer_on_padded_tokens_is_faithful_and_says_how_much_it_checked():

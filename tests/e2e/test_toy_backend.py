@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import installed_backend, linear_case
+from conftest import installed_backend, linear_case, unwrapped
 
 import accumcheck
 from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
@@ -88,7 +88,7 @@ def test_the_command_line_runs_it_and_its_faults_are_caught(toy, cli):
     clean = cli("compare", "--framework", "toy", "--case", toy["case"], env=toy["env"])
     assert clean.returncode == 0, clean.stderr
     assert "toy on cpu" in clean.stdout and "OK: all 2 tensors faithful" in clean.stdout
-    assert f"reproduce: accumcheck compare --framework toy --device cpu --case {toy['case']}" in clean.stdout
+    assert f"reproduce: accumcheck compare --framework toy --device cpu --case {toy['case']}" in unwrapped(clean.stdout)
     faulty = cli("compare", "--framework", "toy", "--case", toy["case"], "--inject", "double-step", env=toy["env"])
     assert faulty.returncode == 1 and "FLAGGED 1 of 2 tensors: linear.weight (weight, diverged" in faulty.stdout
     roundoff = cli("compare", "--framework", "toy", "--case", toy["case"], "--inject", "roundoff", env=toy["env"])
