@@ -34,6 +34,7 @@ from .registry import backend_names, backend_options, get_backend, installed_bac
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
 from .repro import ReproFiles, check_request, target_of, write_text
 from .repro import write as write_script
+from .resources import check_stack_resources, estimate_stack
 from .shrink import MAX_TRIALS, case_toml
 from .shrink import shrink as shrink_case
 from .validation import checked_values, configure
@@ -210,19 +211,23 @@ def train(case: str | Path | Case = "tiny-grads", *, steps: int = 20, optimizer:
 
 
 def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: int | None = None,
-          batches: int | None = None, fault: str | None = None) -> Any:
+          batches: int | None = None, fault: str | None = None, force: bool = False) -> Any:
     """A built-in case (or case file) run through a training stack ("transformers",
     "accelerate", "lightning", "gluon") as a user would write it, every optimizer step judged
     against its window as one batch; ``fault`` breaks the loop on purpose ("micro-batch-mean",
-    "loss-over-n", and for gluon "step-per-micro-batch"). Returns a StackReport."""
+    "loss-over-n", and for gluon "step-per-micro-batch"). Returns a StackReport. A run that
+    needs more memory than is available is refused before it starts, with the estimate
+    (``accumcheck.resources.estimate_stack``), unless ``force``."""
     if stack not in STACKS:
         raise AccumcheckError(f"--stack {stack}: not a training stack accumcheck knows; use one of {', '.join(STACKS)}")
     resolved = resolve_case(case)
     for name, value in (("--accum-steps", accum_steps), ("--batches", batches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise AccumcheckError(f"{name} {value}: give a positive whole number")
+    steps = accum_steps or resolved.accum_steps
+    check_stack_resources(estimate_stack(resolved, steps, batches), force=force)
     module = importlib.import_module(f"accumcheck.integrations.{stack}")
-    return module.run_case(resolved, accum_steps or resolved.accum_steps, batches, fault)
+    return module.run_case(resolved, steps, batches, fault)
 
 
 def write_repro(report: Report, config: RunConfig, path: str | Path, *, shrink: bool = False,

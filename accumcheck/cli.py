@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--batches", type=_accum_steps().from_text, metavar="M",
                        help="micro-batches in the run (default 2N + 2: two full windows and a short one)")
     stack.add_argument("--fault", choices=STACK_FAULTS, help="break the loop on purpose to see the check fire")
+    stack.add_argument("--force", action="store_true",
+                       help="run even where the run's memory estimate exceeds what is available")
     stack.add_argument("--format", choices=("table", "json", "markdown"), default="table", help="output format (default: %(default)s)")
     stack.add_argument("--output", metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
 
@@ -280,7 +282,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _stack(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    report = api.stack(args.stack, args.case, args.accum_steps, args.batches, args.fault)
+    report = api.stack(args.stack, args.case, args.accum_steps, args.batches, args.fault, force=args.force)
     _emit(report, args)
     return report.exit_code
 

@@ -21,10 +21,19 @@ The estimate is deliberately on the high side and simple enough to state:
 
 For a user's own model only what the check adds is estimated (``estimate_model``): its
 activations are the model's own and unknown in advance.
+
+A training stack's check (``accumcheck stack``, ``estimate_stack``) holds what grows with its
+length: the run's M micro-batches, drawn before it starts (``BYTES_PER_BATCH_ELEMENT`` per token
+id, label or feature); the model in float32 and float64 with its window of N micro-batches recorded
+(``RECORDED_COPIES``) and run as one batch, as the full-batch check holds it; and, for the report,
+each of its ceil(M / N) optimizer steps' applied and window gradients in float64
+(``BYTES_PER_STEP_PARAMETER`` per parameter). Its time is stated as a floor:
+``MIN_SECONDS_PER_MICRO_BATCH``, what a stack's Python loop takes per micro-batch at the least.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -39,6 +48,12 @@ BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, an
 BYTES_PER_ACTIVATION = 16
 BYTES_PER_MODEL_PARAMETER = 16  # with --memory-budget: the float64 initial weight, the parameter and .grad
 BYTES_PER_FLOAT64_COPY = 56  # a user model's float64 copy: weight, gradient, buffer, E, S, step, host copy
+BYTES_PER_BATCH_ELEMENT = 8  # a micro-batch's token ids, labels or features, as int64 or float64
+RECORDED_COPIES = 3  # a window's micro-batch: the recorded copy, its float64 copy, its part of the joined window
+BYTES_PER_STEP_PARAMETER = 16  # a stack's optimizer step: its applied and window gradients, float64, kept
+# A floor, not a measurement: a training stack's loop in Python (forward, backward, the check's
+# recording and its share of the window's reference) takes at least this per micro-batch.
+MIN_SECONDS_PER_MICRO_BATCH = 1e-3
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,71 @@ def estimate_model(parameters: int, float64_copy: bool, memory_budget: int | Non
     gradient and sums where the oracle or the full-batch check needs one; ``memory_budget`` at most."""
     per_parameter = BYTES_PER_PARAMETER + (BYTES_PER_FLOAT64_COPY if float64_copy else 0)
     return Estimate(parameters, 0, min(parameters * per_parameter, memory_budget or parameters * per_parameter), 1)
+
+
+@dataclass(frozen=True)
+class StackEstimate:
+    """A training stack check's needs: bytes by what holds them, and its time at the least."""
+
+    micro_batches: int  # M
+    accum_steps: int  # N
+    optimizer_steps: int  # ceil(M / N)
+    data: int  # bytes: the run's micro-batches
+    window: int  # bytes: the model, its float64 copy, the recorded window and its reference as one batch
+    steps: int  # bytes: every optimizer step's two float64 gradients, kept for the report
+    seconds: float  # at the least
+    blame: str  # the option that makes it this large, as given: "--batches 100000000"
+
+    @property
+    def bytes(self) -> int:
+        return self.data + self.window + self.steps
+
+    def describe(self) -> str:
+        steps = self.optimizer_steps
+        return (f"about {size_text(self.bytes)} ({size_text(self.data)} for its {self.micro_batches:,} micro-batches, "
+                f"{size_text(self.window)} for the model and a window of {min(self.accum_steps, self.micro_batches):,} "
+                f"as one batch, {size_text(self.steps)} for the gradients of its {steps:,} optimizer "
+                f"step{'s' * (steps != 1)}) and take at least {duration_text(self.seconds)}")
+
+
+def estimate_stack(case: Case, accum_steps: int, batches: int | None = None) -> StackEstimate:
+    """What ``accumcheck stack`` needs for ``case`` at N = ``accum_steps`` over ``batches``
+    micro-batches (default 2N + 2), from the case's shapes alone (see the module)."""
+    n = accum_steps
+    m = 2 * n + 2 if batches is None else batches
+    window = min(n, m)
+    inp = case.input
+    per_batch = inp.batch_size * (2 * inp.seq_len if inp.kind == "tokens" else inp.features + 1)
+    batch_bytes = per_batch * BYTES_PER_BATCH_ELEMENT
+    alone = estimate(case, 1, full_batch=True).bytes  # the model and one micro-batch's activations
+    held = estimate(case, window, full_batch=True).bytes + window * RECORDED_COPIES * batch_bytes
+    steps = math.ceil(m / n)
+    kept = steps * sum(spec.numel for spec in case.parameters()) * BYTES_PER_STEP_PARAMETER
+    grows = {f"--batches {m}" if batches is not None else f"--accum-steps {n}": m * batch_bytes + kept,
+             f"--accum-steps {n}": held - alone, f"--case {case.name}": alone}
+    blame = max(grows, key=lambda name: grows[name])
+    return StackEstimate(m, n, steps, m * batch_bytes, held, kept, m * MIN_SECONDS_PER_MICRO_BATCH, blame)
+
+
+def check_stack_resources(need: StackEstimate, force: bool = False) -> None:
+    """Raise AccumcheckError, naming the option that makes the run this large, when a stack check
+    needs more memory than is available, unless ``force``."""
+    free = None if force else available_memory()
+    if free is None or need.bytes <= free:
+        return
+    fix = {"--batches": "check fewer micro-batches (--batches)",
+           "--accum-steps": "use a smaller --accum-steps (each window runs as one batch)",
+           "--case": "use a smaller case"}[need.blame.split()[0]]
+    raise AccumcheckError(f"{need.blame}: the run would hold {need.describe()}; {size_text(free)} of memory is "
+                          f"available; {fix}, or add --force to run anyway")
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as people read it: 40 s, 12 minutes, 28 hours, 3.5 days."""
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def check_resources(need: Estimate, what: str, force: bool = False, launched: bool = False) -> None:
