@@ -109,16 +109,20 @@ def estimate_model(parameters: int, float64_copy: bool, memory_budget: int | Non
 
 @dataclass(frozen=True)
 class StackEstimate:
-    """A training stack check's needs: bytes by what holds them, and its time at the least."""
+    """A training stack check's needs: bytes by what holds them, its time at the least, and what
+    smaller runs of the same case would need (to name the option that makes it too large)."""
 
+    case: str  # the case's name
     micro_batches: int  # M
     accum_steps: int  # N
+    batches_given: bool  # M was given (--batches), not 2N + 2
     optimizer_steps: int  # ceil(M / N)
     data: int  # bytes: the run's micro-batches
     window: int  # bytes: the model, its float64 copy, the recorded window and its reference as one batch
     steps: int  # bytes: every optimizer step's two float64 gradients, kept for the report
     seconds: float  # at the least
-    blame: str  # the option that makes it this large, as given: "--batches 100000000"
+    one_window: int  # bytes of a run of one window (M = N)
+    least: int  # bytes of the smallest run of the case (N = M = 1)
 
     @property
     def bytes(self) -> int:
@@ -126,41 +130,50 @@ class StackEstimate:
 
     def describe(self) -> str:
         steps = self.optimizer_steps
+        time = f" and take at least {duration_text(self.seconds)}" if self.seconds >= 60 else ""
         return (f"about {size_text(self.bytes)} ({size_text(self.data)} for its {self.micro_batches:,} micro-batches, "
                 f"{size_text(self.window)} for the model and a window of {min(self.accum_steps, self.micro_batches):,} "
                 f"as one batch, {size_text(self.steps)} for the gradients of its {steps:,} optimizer "
-                f"step{'s' * (steps != 1)}) and take at least {duration_text(self.seconds)}")
+                f"step{'s' * (steps != 1)}){time}")
+
+    def blame(self, free: int) -> tuple[str, str]:
+        """The option that makes the run need more than ``free`` bytes, as given, and its fix: the
+        case where its smallest run does not fit, N where one window does not, else M."""
+        if self.least > free:
+            return f"--case {self.case}", "use a smaller case"
+        if self.one_window > free or not self.batches_given:
+            return f"--accum-steps {self.accum_steps}", "use a smaller --accum-steps (each window runs as one batch)"
+        return f"--batches {self.micro_batches}", "check fewer micro-batches (--batches)"
 
 
 def estimate_stack(case: Case, accum_steps: int, batches: int | None = None) -> StackEstimate:
     """What ``accumcheck stack`` needs for ``case`` at N = ``accum_steps`` over ``batches``
     micro-batches (default 2N + 2), from the case's shapes alone (see the module)."""
-    n = accum_steps
-    m = 2 * n + 2 if batches is None else batches
-    window = min(n, m)
+    m = 2 * accum_steps + 2 if batches is None else batches
+    data, window, steps = _stack_bytes(case, accum_steps, m)
+    return StackEstimate(case.name, m, accum_steps, batches is not None, math.ceil(m / accum_steps), data, window,
+                         steps, m * MIN_SECONDS_PER_MICRO_BATCH, sum(_stack_bytes(case, accum_steps, accum_steps)),
+                         sum(_stack_bytes(case, 1, 1)))
+
+
+def _stack_bytes(case: Case, n: int, m: int) -> tuple[int, int, int]:
+    """(the micro-batches, the model with its window as one batch, the steps' gradients) in bytes."""
     inp = case.input
-    per_batch = inp.batch_size * (2 * inp.seq_len if inp.kind == "tokens" else inp.features + 1)
-    batch_bytes = per_batch * BYTES_PER_BATCH_ELEMENT
-    alone = estimate(case, 1, full_batch=True).bytes  # the model and one micro-batch's activations
-    held = estimate(case, window, full_batch=True).bytes + window * RECORDED_COPIES * batch_bytes
-    steps = math.ceil(m / n)
-    kept = steps * sum(spec.numel for spec in case.parameters()) * BYTES_PER_STEP_PARAMETER
-    grows = {f"--batches {m}" if batches is not None else f"--accum-steps {n}": m * batch_bytes + kept,
-             f"--accum-steps {n}": held - alone, f"--case {case.name}": alone}
-    blame = max(grows, key=lambda name: grows[name])
-    return StackEstimate(m, n, steps, m * batch_bytes, held, kept, m * MIN_SECONDS_PER_MICRO_BATCH, blame)
+    batch = inp.batch_size * (2 * inp.seq_len if inp.kind == "tokens" else inp.features + 1) * BYTES_PER_BATCH_ELEMENT
+    window = min(n, m)
+    held = estimate(case, window, full_batch=True).bytes + window * RECORDED_COPIES * batch
+    parameters = sum(spec.numel for spec in case.parameters())
+    return m * batch, held, math.ceil(m / n) * parameters * BYTES_PER_STEP_PARAMETER
 
 
 def check_stack_resources(need: StackEstimate, force: bool = False) -> None:
-    """Raise AccumcheckError, naming the option that makes the run this large, when a stack check
+    """Raise AccumcheckError, naming the option that makes the run too large, when a stack check
     needs more memory than is available, unless ``force``."""
     free = None if force else available_memory()
     if free is None or need.bytes <= free:
         return
-    fix = {"--batches": "check fewer micro-batches (--batches)",
-           "--accum-steps": "use a smaller --accum-steps (each window runs as one batch)",
-           "--case": "use a smaller case"}[need.blame.split()[0]]
-    raise AccumcheckError(f"{need.blame}: the run would hold {need.describe()}; {size_text(free)} of memory is "
+    option, fix = need.blame(free)
+    raise AccumcheckError(f"{option}: the run would hold {need.describe()}; {size_text(free)} of memory is "
                           f"available; {fix}, or add --force to run anyway")
 
 
