@@ -254,7 +254,7 @@ def test_accum_check_runs_your_own_model_at_each_step_count(pytester, tmp_path):
     result.assert_outcomes(passed=2, failed=2, errors=4)
     out = result.stdout.str()
     for line in ("test_fault[N4] FAILED", "test_bad_batches[N8] ERROR", "Gradient accumulation is not faithful (case TinyLM",
-                 "accumcheck raised AccumcheckError: check: the model raised TypeError",
+                 "accumcheck raised UserCodeError: check: the model raised TypeError on micro-batch 0",
                  "object is not a model of a framework accumcheck checks here"):
         assert line in out, line
     saved = sorted(p.name for p in tmp_path.glob("*.json"))
