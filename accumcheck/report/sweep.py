@@ -8,7 +8,7 @@ from typing import Any
 
 from ..bounds import UNIT_ROUNDOFF
 from .single import Report
-from .values import SCHEMA_VERSION, Serialised
+from .values import SCHEMA_VERSION, Serialised, encode
 
 
 @dataclass
@@ -31,7 +31,7 @@ class SweepReport(Serialised):
         return growth_rows(self.reports)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "growth": self.rows()}  # for readers of the JSON; derived, not read back
+        return {**super().to_dict(), "growth": encode(self.rows())}  # for readers of the JSON; derived, not read back
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> "SweepReport":
