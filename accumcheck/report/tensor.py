@@ -20,6 +20,11 @@ KIND_ORDER = ("embedding", "weight", "bias", "norm")
 # bound with no single-step explanation, "diverged" otherwise.
 SEVERITIES = ("marginal", "diverged")
 MARGINAL_RATIO = 10.0
+# What a mode's difference from E is fitted as (Cause.kind), and the two modes compared.
+CAUSE_KINDS = ("repeat-step", "drop-step", "scale-step", "scale-sum", "running-total", "growth", "narrow-dtype",
+               "narrow-mean", "unexplained")
+COMPARED_MODES = ("native", "manual")
+NEARER = ("native", "manual", "tie")
 
 
 @dataclass

@@ -33,46 +33,94 @@ def encode(obj: Any) -> Any:
     return obj
 
 
-def decode(cls: type, data: Any) -> Any:
-    """An instance of dataclass ``cls`` from ``encode``'s output. Raises TypeError or KeyError
-    when the data does not fit the class."""
+class FieldError(TypeError):
+    """A report field that does not fit the schema; ``path`` names it (``tensors[0].verdict``, or
+    "" for the whole report), ``problem`` says how and ``fix`` (where given) what to do."""
+
+    def __init__(self, path: str, problem: str, fix: str | None = None):
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path, self.problem, self.fix = path, problem, fix
+
+
+class FieldTypeError(FieldError):
+    """A field of the wrong type, missing or unknown: the data is not this kind of report."""
+
+
+def field_path(path: str, name: str | int) -> str:
+    """``path`` one step deeper: a field by name (``.name``), a list item by index (``[0]``); a name
+    that is not a plain word is shown as ``key_path`` shows it."""
+    if isinstance(name, int):
+        return f"{path}[{name}]"
+    if not (name.isascii() and name.isidentifier()):
+        return key_path(path, name)
+    return f"{path}.{name}" if path else name
+
+
+def key_path(path: str, key: Any) -> str:
+    """``path`` into an object's entry ``key``, shown as Python writes it (control characters
+    escaped) and cut short."""
+    return f"{path}[{repr(key[:50] + '...' if isinstance(key, str) and len(key) > 50 else key)}]"
+
+
+def decode(cls: type, data: Any, path: str = "") -> Any:
+    """An instance of dataclass ``cls`` from ``encode``'s output (found at ``path`` of a report).
+    Raises FieldTypeError, naming the field, when the data does not fit the class's types."""
     if not isinstance(data, dict):
-        raise TypeError(f"{cls.__name__} expects an object, got {type(data).__name__}")
+        raise FieldTypeError(path, f"{cls.__name__} expects an object, got {shown(data)}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = set(data) - names
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = {f.name for f in fields}
+    unknown = sorted(str(k) for k in set(data) - names)
     if unknown:
-        raise TypeError(f"{cls.__name__} has no field {sorted(unknown)[0]!r}")
-    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+        raise FieldTypeError(field_path(path, unknown[0]), f"{cls.__name__} has no field {unknown[0]!r}")
+    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise FieldTypeError(field_path(path, missing[0]), f"{cls.__name__} lacks field {missing[0]!r}{more}")
+    return cls(**{name: _value(hints[name], value, field_path(path, name)) for name, value in data.items()})
 
 
-def _value(hint: Any, value: Any) -> Any:
-    """``value`` as the field type ``hint`` wants it. Raises TypeError where it does not fit."""
+def _value(hint: Any, value: Any, path: str) -> Any:
+    """``value`` as the field type ``hint`` wants it. Raises FieldTypeError where it does not fit."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _value(inner[0], value) if len(inner) == 1 else value
+        return _value(inner[0], value, path) if len(inner) == 1 else value
     if hint is float:
         value = FLOAT_WORDS.get(value, value) if isinstance(value, str) else value
-        return _expect(value, (int, float), "a number")
+        return _expect(value, (int, float), "a number", path)
     if hint in (int, str, bool):
-        return _expect(value, hint, hint.__name__)
+        return _expect(value, hint, hint.__name__, path)
     if dataclasses.is_dataclass(hint):
-        return decode(hint, value)
+        return decode(hint, value, path)
     if origin is list:
-        return [_value(args[0], v) for v in _expect(value, list, "a list")] if args else _expect(value, list, "a list")
+        items = _expect(value, list, "a list", path)
+        return [_value(args[0], v, field_path(path, i)) for i, v in enumerate(items)] if args else items
     if origin is dict:
-        value = _expect(value, dict, "an object")
-        return {k: _value(args[1], v) for k, v in value.items()} if args else value
+        value = _expect(value, dict, "an object", path)
+        return {k: _value(args[1], v, key_path(path, k)) for k, v in value.items()} if args else value
     return value
 
 
-def _expect(value: Any, kinds: Any, what: str) -> Any:
+def _expect(value: Any, kinds: Any, what: str, path: str) -> Any:
     if isinstance(value, bool) and kinds is not bool or not isinstance(value, kinds):
-        raise TypeError(f"expected {what}, got {value!r}"[:200])
+        raise FieldTypeError(path, f"expected {what}, got {shown(value)}")
     return value
+
+
+def shown(value: Any) -> str:
+    """``value`` for a message: as Python writes it (control characters escaped), cut short."""
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} entries"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value[:80] if isinstance(value, str) else value)
+    return text if len(text) <= 80 else text[:76] + " ..."
 
 
 class Serialised:
@@ -90,11 +138,12 @@ class Serialised:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<report>") -> Any:
-        """Raises TypeError or KeyError when ``data`` is not this kind of report, or of a schema
-        version this accumcheck does not read."""
+        """This kind of report from ``data``, its types checked (``accumcheck.report.load_report``
+        and ``report_from_data`` check its values too). Raises FieldTypeError naming the field that
+        does not fit, or TypeError for a schema version this accumcheck does not read."""
         version = data.get("schema_version")
         if version == 1:
             data = legacy.upgrade(data)
         elif version != SCHEMA_VERSION:
-            raise TypeError(f"schema_version {version!r} is not one this accumcheck reads (1, {SCHEMA_VERSION})")
+            raise TypeError(f"schema_version {version!r} is not one this accumcheck reads (1 to {SCHEMA_VERSION})")
         return decode(cls, data)
