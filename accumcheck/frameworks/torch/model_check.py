@@ -247,9 +247,9 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
                     _set_mode(twin, train_mode)
                     twin_params = _same_parameters(twin, groups)
                     twin_loss = step_loss(twin, torch.float64)
-                    gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, [get_batch(k) for k in range(steps)]
-                                                       if full_batch else None, steps, loss_fn, step, collate,
-                                                       loss_reduction, progress)
+                    joined = [get_batch(k) for k in range(steps)] if full_batch else None
+                    gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, joined, steps, loss_fn, step,
+                                                       collate, loss_reduction, progress)
             else:  # judged group by group, each group's buffers dropped before the next runs
                 judge = Judge(steps, config, replay)
                 for index, names in enumerate(parts):
@@ -378,7 +378,8 @@ def _check_device(params: dict[str, Any], device: str | None, where: Any) -> Non
     except (RuntimeError, TypeError) as exc:
         raise AccumcheckError(f"check: device {device!r} is not a device name (cpu, cuda, cuda:1, gpu)") from exc
     if wanted.type != where.type or (wanted.index is not None and wanted.index != where.index):
-        raise AccumcheckError(f"check: the model is on {where}, not {device}; move it there or pass device={str(where)!r}")
+        raise AccumcheckError(f"check: the model is on {where}, not {device}; move it there or pass "
+                              f"device={str(where)!r}")
 
 
 def _float64_copy(model: Any) -> Any:
