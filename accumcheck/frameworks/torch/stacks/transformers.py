@@ -81,9 +81,9 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
              "micro-batches as the Trainer's sampler fed them",
              f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
              "optimizer, scheduler, Trainer state and random states were put back after it"]
-    coverage = recorder.coverage("transformers.check", "the Trainer's training_step", "let the Trainer's own loop "
-                                 "feed its micro-batches (a training loop of your own: accumcheck.integrations.accelerate)",
-                                 "the Trainer", _idle_fix(args))
+    coverage = recorder.coverage("transformers.check", "the Trainer's training_step",
+                                 "let the Trainer's own loop feed its micro-batches (a training loop of your own: "
+                                 "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
                         reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
