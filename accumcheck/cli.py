@@ -408,13 +408,23 @@ class _LazyProgress:
             self.tasks[phase] = self.progress.add_task(phase, total=total)
         self.progress.update(self.tasks[phase], completed=done)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
         """Stop the bar: erase it and show the cursor again, also when the run ends by an error or
         a signal (SIGINT, SIGTERM and SIGHUP are raised here, see ``main``)."""
-        if self.progress is not None:
+        if self.progress is None:
+            return
+        try:
+            self.progress.stop()
+        except (OSError, ValueError):  # the terminal is gone (SIGHUP): nothing is left to restore
+            pass
+        except Exception:
+            if exc_type is None:
+                raise
+            # A signal inside the bar's own start leaves rich half started, and its stop trips
+            # on what start had not done yet: the cursor is shown here instead.
             try:
-                self.progress.stop()
-            except (OSError, ValueError):  # the terminal is gone (SIGHUP): nothing is left to restore
+                self.progress.console.show_cursor(True)
+            except (OSError, ValueError):
                 pass
 
 
