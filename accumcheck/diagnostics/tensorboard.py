@@ -71,8 +71,11 @@ class ScalarWriter:
         self._put(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:
-        """Wait until every event added so far is in the file (handed to the operating system)."""
-        self._check()
+        """Wait until every event added so far is in the file (handed to the operating system);
+        nothing to do once closed."""
+        self._check(closing=self._closed)
+        if self._closed:
+            return
         self._queue.put(_FLUSH)
         self._queue.join()
         self._check()

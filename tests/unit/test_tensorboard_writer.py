@@ -87,7 +87,8 @@ def test_tensorboard_reads_what_the_writer_wrote(tmp_path):
     assert not writer._thread.is_alive()
     with pytest.raises(AccumcheckError, match="the TensorBoard writer is closed"):
         writer.add_scalar("loss", 1.0, 5)
-    writer.close()  # twice: nothing more
+    writer.flush()  # after close: nothing more
+    writer.close()
 
 
 def test_a_disk_that_fills_during_the_run_is_one_error_from_the_next_call(tmp_path, full_disk):
