@@ -38,6 +38,7 @@ the report would otherwise pass.
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any, Callable
 
 import numpy as np
@@ -160,7 +161,8 @@ class AccumulationCheck:
                  "dropout off, BatchNorm on its running statistics",
                  "reference: " + ("a per-sample loss summed over the window's samples and divided by their number"
                                   if self._per_sample is not False else "the scalar loss of the window as one batch"),
-                 "parameters, gradients and optimizer states restored afterwards"]
+                 "parameters, gradients, optimizer states and Python's and NumPy's random states restored "
+                 "afterwards"]
         if self.steps is not None:
             notes.append(f"checked the first {self.steps} optimizer step{'s' * (self.steps != 1)} only")
         record = "x, y = check.record(x, y)" if self.loss_fn is not None else "x = check.record(x)"
@@ -223,6 +225,7 @@ class _Float64Run:
         self.with_grad = [p for p in self.params if p.grad_req != "null"]
 
     def enter(self) -> None:
+        self.random_states = random.getstate(), np.random.get_state()  # the loop's draws are undone on exit
         self.saved = [(p, p._data, p._grad, p._dtype) for p in self.params]
         self.optimizer = _OptimizerState(self.trainer, self.params)
         self.layers = layers_for_check(self.net, train_mode=False)
@@ -247,6 +250,8 @@ class _Float64Run:
         finally:
             self.layers.__exit__(None, None, None)
             clear_cached_ops(self.net)
+            random.setstate(self.random_states[0])
+            np.random.set_state(self.random_states[1])
 
     def loop_kept(self) -> _LoopKept:
         """Around the reference pass: the loop's gradients, fresh-gradient flags and auxiliary

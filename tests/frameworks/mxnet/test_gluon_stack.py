@@ -3,6 +3,8 @@ positive control), trainer.step(b) and a loss divided by N are fingerprinted (th
 controls), a short last window, micro-batches never stepped on, and the net and Trainer left as
 they were found."""
 
+import random
+
 import numpy as np
 import pytest
 
@@ -50,6 +52,7 @@ def loop(net, trainer, check, count, n, step_size=None, last_steps=True, fail_at
     batches = micro_batches(count)
     with check:
         for i, (x, y) in enumerate(batches):
+            random.random(), np.random.random()  # a loop's own draws (shuffling, augmentation)
             if i == fail_at:
                 raise RuntimeError("the loop broke")
             x, y = check.record(x, y)
@@ -170,6 +173,7 @@ def test_the_net_and_trainer_are_left_as_found(fail_at):
     loss.backward()
     before = snapshot(net, trainer)
     assert any(np.frombuffer(g, np.float32).any() for g in before["grad"].values())
+    states = random.getstate(), np.random.get_state()
     check = AccumulationCheck(net, trainer, gluon.loss.SoftmaxCrossEntropyLoss())
     if fail_at is None:
         loop(net, trainer, check, 7, 3)
@@ -178,6 +182,9 @@ def test_the_net_and_trainer_are_left_as_found(fail_at):
             loop(net, trainer, check, 7, 3, fail_at=fail_at)
     assert len(check.windows) > 0  # the check stepped the float64 copies
     assert snapshot(net, trainer) == before
+    python_state, numpy_state = states
+    assert random.getstate() == python_state
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state))
     x, y = micro_batches(1)[0]  # and the net still trains in float32 afterwards
     net.collect_params().zero_grad()
     with autograd.record():
