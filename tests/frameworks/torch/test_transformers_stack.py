@@ -21,7 +21,7 @@ pytest.importorskip("accelerate")
 
 from zoo import tiny_llama  # noqa: E402
 
-from accumcheck.errors import AccumcheckError  # noqa: E402
+from accumcheck.errors import AccumcheckError, UserCodeError  # noqa: E402
 from accumcheck.integrations.transformers import check  # noqa: E402
 
 N = 4
@@ -159,11 +159,24 @@ def test_the_model_is_put_back_when_the_trainer_raises(tmp_path):
     trainer = trainer_for(tmp_path)
     trainer.add_callback(Boom())
     before = _snapshot(trainer.model)
-    with pytest.raises(RuntimeError, match="the user's callback failed"):
+    # the user's run failed, not the check: one line (exit 2 on the command line), the original chained
+    with pytest.raises(UserCodeError, match="the Trainer raised RuntimeError: the user's callback failed") as caught:
         check(trainer, steps=3)
+    assert isinstance(caught.value.__cause__, RuntimeError) and "\n" not in str(caught.value)
     after = _snapshot(trainer.model)
     assert all(torch.equal(before[n][0], after[n][0]) and after[n][1] == torch.float32 for n in before)
     assert "clip_grad_norm_" not in trainer.accelerator.__dict__
+
+
+def test_a_trainer_that_cannot_start_is_the_users_error_and_a_bug_of_ours_is_not(tmp_path, monkeypatch):
+    with pytest.raises(UserCodeError, match="the Trainer raised ValueError: num_samples should be a positive"):
+        check(trainer_for(tmp_path, data=[]))
+    from accumcheck.frameworks.torch.stacks import recorder
+
+    # accumcheck's own code failing inside the Trainer's run (calling None there): a bug, raised as it is
+    monkeypatch.setattr(recorder, "predicted_count", None)
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        check(trainer_for(tmp_path), steps=1)
 
 
 @pytest.mark.parametrize("bad, message", [(object(), "expected a transformers.Trainer"), (0, "positive integer")])

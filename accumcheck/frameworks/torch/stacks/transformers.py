@@ -20,11 +20,12 @@ import copy
 import importlib
 import inspect
 import math
+import os
 import tempfile
 from typing import Any
 
 from ....cases import Case
-from ....errors import AccumcheckError
+from ....errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from ....judge.stack import stack_report
 from ....options import stack_command
 from ....report import StackReport
@@ -61,6 +62,13 @@ def check(trainer: Any, steps: int | None = None) -> StackReport:
             trainer.accelerator.clip_grad_norm_ = _captured_first(clip, recorder)
             try:
                 trainer.train()
+            except AccumcheckError:
+                raise
+            except USER_EXCEPTIONS as exc:
+                if _raised_here(exc):
+                    raise
+                raise UserCodeError(f"transformers.check: the Trainer raised {type(exc).__name__}: "
+                                    f"{first_line(exc)}; fix the Trainer's model, data or arguments") from exc
             finally:
                 recorder.unwatch()
     finally:
@@ -194,3 +202,15 @@ def _versions() -> dict[str, str]:
     except ImportError:
         pass
     return found
+
+
+def _raised_here(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is accumcheck's own code (a bug of ours, exit 3), not
+    the Trainer's, the model's or the data's (the user's run, exit 2)."""
+    import accumcheck
+
+    package = os.path.dirname(os.path.abspath(accumcheck.__file__))
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(package + os.sep)
