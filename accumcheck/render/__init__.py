@@ -2,7 +2,8 @@
 and its pictures (matplotlib). Rendering never computes: every figure comes from the report.
 
 ``text`` holds the plain lines the others share; ``table``, ``markdown``, ``csvfile``, ``html`` and
-``plots`` draw them.
+``plots`` draw them. ``names`` makes every name from a report, a case file or a model printable
+(control characters escaped) for all of them; ``fit`` lays the terminal's tables out in its width.
 """
 
 from __future__ import annotations

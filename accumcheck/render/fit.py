@@ -6,7 +6,8 @@ open every part; the others join the first part in rank order while it fits the 
 that do not fit go on in a second part (then a third), each opened by the names again. Only prose
 columns (``wrap``: a cause in a few words, a description) wrap, at their spaces. A name longer than
 its room is shortened from the middle, keeping its start and its end, with a split that keeps the
-names apart. rich lays each part out; this module only chooses what goes where.
+names apart. rich lays each part out; this module only chooses what goes where. A command line
+wider than the width splits between its options (``command_lines``).
 """
 
 from __future__ import annotations
@@ -165,4 +166,26 @@ def fitted(columns: Sequence[Col], width: int | None, layout: Layout) -> list[Ta
     return [layout.table(i, part) for i, part in enumerate(keyed)]
 
 
-__all__ = ["Col", "Layout", "fitted", "shorten"]
+def command_lines(line: str, width: int) -> list[str]:
+    """A line ending on an ``accumcheck`` command, split between its options with a shell's line
+    continuation where it is wider than ``width``: copied whole, it still runs."""
+    at = line.find("accumcheck ")
+    if len(line) <= width or at < 0 or "(" in line[at:]:
+        return [line]
+    units: list[str] = []
+    for word in line[at:].split(" "):
+        if word.startswith("--") or not units:
+            units.append(word)
+        else:
+            units[-1] += " " + word
+    lines, current = [], line[:at] + units[0]
+    for unit in units[1:]:
+        if len(current) + 1 + len(unit) + 2 <= width:
+            current += " " + unit
+        else:
+            lines.append(current + " \\")
+            current = "    " + unit
+    return lines + [current]
+
+
+__all__ = ["Col", "Layout", "command_lines", "fitted", "shorten"]

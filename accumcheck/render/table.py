@@ -12,12 +12,12 @@ from rich.text import Text
 
 from ..cases import Case
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult, TrajectoryReport
-from .fit import Col, Layout, fitted
+from .fit import Col, Layout, command_lines, fitted
+from .legend import legend
 from .names import printable, shown
 from .text import (
     STACK_COLUMNS,
     cause_words,
-    command_lines,
     cross_summary,
     describe,
     diff_extra_lines,
@@ -25,7 +25,6 @@ from .text import (
     forward_lines,
     has_causes,
     header_lines,
-    legend,
     noteworthy,
     num,
     shape_text,
@@ -150,6 +149,7 @@ def render_table(report: Report, console: Console) -> None:
     _prose(console, header_lines(report), style="dim")
     _tables(console, tensor_columns(report), _heavy(collapse=has_causes(report)))
     if report.data_parallel is not None and not report.data_parallel.ranks_agree:
+        console.print()
         _tables(console, _rank_columns(report), _heavy(title="per rank"))
     shown_details = noteworthy(report)
     if shown_details:
@@ -282,7 +282,7 @@ def trajectory_table(report: TrajectoryReport) -> Table:
 def render_trajectory(report: TrajectoryReport, console: Console) -> None:
     report = shown(report)
     _tables(console, trajectory_columns(report), _trajectory_layout(report))
-    console.print(Text(report.summary(), style="bold red" if report.exit_code else "bold green"), soft_wrap=True)
+    _summary(console, report.summary(), bool(report.exit_code))
 
 
 # ----------------------------------------------------------------------------- training stacks
@@ -310,7 +310,7 @@ def render_stack(report: StackReport, console: Console) -> None:
     _prose(console, stack_header_lines(report))
     columns, styles = stack_columns(report)
     _tables(console, columns, Layout(lambda part: Table(box=box.SIMPLE_HEAD), styles))
-    console.print(Text(report.summary(), style="bold red" if report.exit_code else "bold green"), soft_wrap=True)
+    _summary(console, report.summary(), bool(report.exit_code))
     if report.reproduce:
         _prose(console, [f"reproduce: {report.reproduce}"])
 
@@ -338,7 +338,7 @@ def render_diff(diff: ReportDiff, console: Console) -> None:
     columns, styles = diff_columns(diff)
     _tables(console, columns, Layout(lambda part: Table(), styles))
     _prose(console, diff_extra_lines(diff))
-    console.print(Text(diff_summary(diff), style="bold red" if diff.changed else "bold green"), soft_wrap=True)
+    _summary(console, diff_summary(diff), bool(diff.changed))
 
 
 # ----------------------------------------------------------------------------- the cases

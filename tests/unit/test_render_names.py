@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from rich.cells import cell_len
 from rich.console import Console
@@ -20,6 +20,7 @@ from test_render import mixed, tensor
 
 from accumcheck.render import render, render_console, table_text
 from accumcheck.render.fit import shorten
+from accumcheck.render.markdown import markdown
 from accumcheck.render.names import printable, shown
 from accumcheck.render.plots import growth, heatmaps, scatter, trajectory
 from accumcheck.render.table import render_cases
@@ -27,8 +28,10 @@ from accumcheck.render.text import one_line, summary_line, tensor_details
 from accumcheck.report import FullBatchResult, StackReport, StackStep, TrajectoryReport, diff_reports, load_report
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reports-0.1.0"
-HOSTILE = "emb\x1b[2J\x1b]0;title\x07\u202e[bold]x\\y\x9b\x7f\u200b\u2028$a$"
-SHOWN = "emb\\x1b[2J\\x1b]0;title\\x07\\u202e[bold]x\\\\y\\x9b\\x7f\\u200b\\u2028$a$"
+# ESC sequences that clear the screen and set the title, BEL, a bidi override, rich markup, a
+# backslash, a C1 control, DEL, a zero-width space, a line separator, and mathtext that cannot parse
+HOSTILE = "emb\x1b[2J\x1b]0;title\x07\u202e[bold]x\\y\x9b\x7f\u200b\u2028$a^$"
+SHOWN = "emb\\x1b[2J\\x1b]0;title\\x07\\u202e[bold]x\\\\y\\x9b\\x7f\\u200b\\u2028$a^$"
 ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)
 
 
@@ -45,6 +48,8 @@ def unescape(text: str) -> str:
 
 
 @given(ANY_TEXT)
+@example("emb\\x1b[2J")  # a name that spells an escape: not read back as ESC
+@example("\\\x1b")
 def test_any_text_prints_as_visible_characters_and_can_be_read_back(text):
     out = printable(text)
     assert out.isprintable()  # no control, format, separator or unpaired surrogate character left
@@ -52,6 +57,8 @@ def test_any_text_prints_as_visible_characters_and_can_be_read_back(text):
 
 
 @given(ANY_TEXT, ANY_TEXT)
+@example("emb\x1b[2J", "emb\\x1b[2J")  # a control character, and a name that spells its escape
+@example("\\\\", "\\")
 def test_two_different_names_never_print_alike(a, b):
     assert (printable(a) == printable(b)) == (a == b)
 
@@ -152,6 +159,15 @@ def test_no_renderer_prints_a_raw_control_character_of_a_name(kind):
         assert SHOWN.split("[bold]")[0] in flat, (kind, fmt)  # the name is there, escaped
     for fmt in ("table", "terminal"):
         assert "[bold]x" in drawn[fmt]  # rich markup in a name is printed, not obeyed
+
+
+def test_a_name_with_bars_and_backticks_keeps_the_markdown_table_whole():
+    report = mixed()
+    report.tensors[0].name = "a|b`c``d"
+    lines = markdown(report).splitlines()
+    rows = [line for line in lines if line.startswith("| ")]
+    assert len({len(re.findall(r"(?<!\\)\|", row)) for row in rows}) == 1  # every row has each column
+    assert rows[1].startswith("| ```a\\|b`c``d``` |")  # a code span its backticks cannot end
 
 
 def test_the_summary_line_and_the_details_escape_a_name():
