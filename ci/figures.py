@@ -125,10 +125,11 @@ def words(n: int) -> str:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """The installed command line, as a user's terminal would show it piped (120 columns)."""
+    """The installed command line, as a user's terminal would show it piped at 120 columns (COLUMNS
+    set: a parent that loaded readline, as pytest does, would pass on its own terminal's width)."""
     exe = Path(sys.executable).parent / "accumcheck"
     result = subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, **(env or {})}, timeout=900)
+                            env={**os.environ, "COLUMNS": "120", **(env or {})}, timeout=900)
     if result.returncode not in (0, 1):
         raise RuntimeError(f"accumcheck {' '.join(args)} failed:\n{result.stderr}")
     return result.returncode, result.stdout
@@ -139,6 +140,21 @@ def console(command: str, output: str, keep: Callable[[list[str]], list[str]] | 
     lines = [line.rstrip() for line in output.rstrip("\n").splitlines()]
     lines = keep(lines) if keep else lines
     return "\n```\n$ " + command + "\n" + "\n".join(lines) + "\n```\n"
+
+
+def with_wrapped(lines: list[str], keep: Callable[[str], bool]) -> list[str]:
+    """The lines ``keep`` picks, each with the lines it wrapped onto (indented deeper, under it)."""
+    out, depth = [], None
+    for line in lines:
+        indent = len(line) - len(line.lstrip(" "))
+        if keep(line):
+            out.append(line)
+            depth = indent
+        elif depth is not None and line.strip() and indent > depth:
+            out.append(line)
+        else:
+            depth = None
+    return out
 
 
 def synthetic_causes() -> list[tuple[str, str]]:
@@ -270,11 +286,12 @@ def your_model_figures() -> dict[str, str]:
     _, out = cli(*command)
     figures["your-model.mean.console"] = console(
         "accumcheck " + " ".join(command), out,
-        lambda lines: [line for line in lines if line.startswith(("model ", "full batch", "reproduce"))]
+        lambda lines: with_wrapped(lines, lambda line: line.startswith(("model ", "full batch", "reproduce")))
         + ["...", lines[-1]])
     for name, reduction in (("token-count", "token_count"), ("twice", "mean")):
         _, out = cli("check", f"{setup}:token_count", "--full-batch", "--loss-reduction", reduction)
-        full = next(line for line in out.splitlines() if line.startswith("full batch"))
+        wrapped = with_wrapped(out.splitlines(), lambda line: line.startswith("full batch"))
+        full = " ".join(line.strip() for line in wrapped)
         figures[f"your-model.{name}.verdict"] = f"`{re.split(r'scale, at [^:]+: ', full)[1]}`"
         figures[f"your-model.{name}.summary"] = f"`{out.strip().splitlines()[-1]}`"
     return figures
@@ -286,7 +303,8 @@ def data_parallel_figures() -> dict[str, str]:
 
     def excerpt(lines: list[str]) -> list[str]:
         end = next(i for i, line in enumerate(lines) if line.startswith("    1 ")) + 1
-        details = [line for line in lines if line.lstrip().startswith(("Each rank's own total", "Single-process"))]
+        details = with_wrapped(lines, lambda line: line.lstrip().startswith(("Each rank's own total",
+                                                                              "Single-process")))
         return lines[:end] + ["..."] + details + ["..."] + [lines[-1]]
 
     command = ["compare", "--world-size", "2", "--case", "shared-weight", "--inject", "scale", "--inject-rank", "1"]
