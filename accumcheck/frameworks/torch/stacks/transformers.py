@@ -21,6 +21,7 @@ import importlib
 import inspect
 import math
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -207,9 +208,7 @@ def _versions() -> dict[str, str]:
 def _raised_here(exc: BaseException) -> bool:
     """Whether the innermost frame of ``exc`` is accumcheck's own code (a bug of ours, exit 3), not
     the Trainer's, the model's or the data's (the user's run, exit 2)."""
-    import accumcheck
-
-    package = os.path.dirname(os.path.abspath(accumcheck.__file__))
+    package = os.path.dirname(os.path.abspath(sys.modules[__name__.partition(".")[0]].__file__))
     frame = exc.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
