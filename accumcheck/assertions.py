@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .render.names import shown
 from .render.text import cross_summary, num, summary_line, tensor_details
 from .report import CrossReport, Report, StackReport
 
@@ -13,7 +14,9 @@ class AccumulationMismatch(AssertionError):
 def failure_message(report: Report | CrossReport | StackReport) -> str:
     """The text assert_faithful raises with: what was flagged, then torch.testing-style lines
     (mismatched elements, greatest differences and where) plus the bound, ratio, ulps, gradient
-    magnitude and the mode nearer the float64 sum, then the command that reproduces the run."""
+    magnitude and the mode nearer the float64 sum, then the command that reproduces the run. Names
+    are printed with control characters escaped (``render.names``)."""
+    report = shown(report)
     if isinstance(report, StackReport):
         where = f"{report.stack}, {report.model}, N = {report.accum_steps}"
         lines = [f"The training stack's optimizer steps are not their windows' gradients ({where}): {report.summary()}",

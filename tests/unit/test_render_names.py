@@ -18,6 +18,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from test_render import mixed, tensor
 
+from accumcheck.assertions import failure_message
 from accumcheck.render import render, render_console, table_text
 from accumcheck.render.fit import shorten
 from accumcheck.render.markdown import markdown
@@ -153,6 +154,8 @@ def test_no_renderer_prints_a_raw_control_character_of_a_name(kind):
     drawn.update({fmt: render(report, fmt) for fmt in FORMATS[kind]})
     if kind != "trajectory" and kind != "diff":
         drawn["summary"] = one_line(report)
+    if kind in ("report", "cross", "stack"):  # what a failing pytest prints (accumcheck.assert_faithful)
+        drawn["assertion"] = failure_message(report)
     for fmt, text in drawn.items():
         assert raw(text) == [], (kind, fmt)
         flat = text if fmt != "html" else text.replace("&#x27;", "'").replace("&amp;", "&")
