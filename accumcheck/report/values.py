@@ -8,11 +8,12 @@ from the field types, so a report class needs no reading code of its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from . import legacy
 
@@ -62,52 +63,97 @@ def key_path(path: str, key: Any) -> str:
     return f"{path}[{repr(key[:50] + '...' if isinstance(key, str) and len(key) > 50 else key)}]"
 
 
-def decode(cls: type, data: Any, path: str = "") -> Any:
-    """An instance of dataclass ``cls`` from ``encode``'s output (found at ``path`` of a report).
+# A place in a report while it is read, spelled out only for a message (``path_text``): None for the
+# whole report, else (the place holding it, its field name or list index, whether it is an object's
+# entry by key).
+Where = tuple[Any, Any, bool] | None
+
+
+def path_text(where: Where) -> str:
+    """``where`` as a path: ``tensors[0].verdict``, ``losses['native'][2]``."""
+    steps = []
+    while where is not None:
+        where, name, entry = where
+        steps.append((name, entry))
+    text = ""
+    for name, entry in reversed(steps):
+        text = key_path(text, name) if entry or not isinstance(name, (str, int)) else field_path(text, name)
+    return text
+
+
+def decode(cls: type, data: Any, where: Where = None) -> Any:
+    """An instance of dataclass ``cls`` from ``encode``'s output (found at ``where`` in a report).
     Raises FieldTypeError, naming the field, when the data does not fit the class's types."""
     if not isinstance(data, dict):
-        raise FieldTypeError(path, f"{cls.__name__} expects an object, got {shown(data)}")
+        raise FieldTypeError(path_text(where), f"{cls.__name__} expects an object, got {shown(data)}")
+    hints, names, required = _fields(cls)
+    if not names.issuperset(data) or not all(name in data for name in required):
+        unknown = sorted(str(k) for k in set(data) - names)
+        if unknown:
+            raise FieldTypeError(path_text((where, unknown[0], False)),
+                                 f"{cls.__name__} has no field {unknown[0]!r}")
+        missing = [name for name in required if name not in data]
+        more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise FieldTypeError(path_text((where, missing[0], False)),
+                             f"{cls.__name__} lacks field {missing[0]!r}{more}")
+    return cls(**{name: hints[name](value, (where, name, False)) for name, value in data.items()})
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str], tuple[str, ...]]:
+    """A dataclass's reader per field (from its type hint), its field names, and the required ones."""
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    names = {f.name for f in fields}
-    unknown = sorted(str(k) for k in set(data) - names)
-    if unknown:
-        raise FieldTypeError(field_path(path, unknown[0]), f"{cls.__name__} has no field {unknown[0]!r}")
-    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise FieldTypeError(field_path(path, missing[0]), f"{cls.__name__} lacks field {missing[0]!r}{more}")
-    return cls(**{name: _value(hints[name], value, field_path(path, name)) for name, value in data.items()})
+    required = tuple(f.name for f in fields if f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    return {f.name: _reader(hints[f.name]) for f in fields}, frozenset(f.name for f in fields), required
 
 
-def _value(hint: Any, value: Any, path: str) -> Any:
-    """``value`` as the field type ``hint`` wants it. Raises FieldTypeError where it does not fit."""
+Reader = Callable[[Any, Where], Any]
+
+
+@functools.cache
+def _reader(hint: Any) -> Reader:
+    """A function that reads a value as the field type ``hint`` wants it, raising FieldTypeError
+    where it does not fit; made once per type."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
         inner = [a for a in args if a is not type(None)]
-        return _value(inner[0], value, path) if len(inner) == 1 else value
+        if len(inner) != 1:
+            return lambda value, where: value
+        read = _reader(inner[0])
+        return lambda value, where: None if value is None else read(value, where)
     if hint is float:
-        value = FLOAT_WORDS.get(value, value) if isinstance(value, str) else value
-        return _expect(value, (int, float), "a number", path)
+        return _float
     if hint in (int, str, bool):
-        return _expect(value, hint, hint.__name__, path)
+        return lambda value, where: _expect(value, hint, hint.__name__, where)
     if dataclasses.is_dataclass(hint):
-        return decode(hint, value, path)
+        return lambda value, where: decode(hint, value, where)
+    if origin is list and args:
+        item = _reader(args[0])
+        return lambda value, where: [item(v, (where, i, False)) for i, v in enumerate(_expect(value, list, "a list",
+                                                                                               where))]
     if origin is list:
-        items = _expect(value, list, "a list", path)
-        return [_value(args[0], v, field_path(path, i)) for i, v in enumerate(items)] if args else items
+        return lambda value, where: _expect(value, list, "a list", where)
+    if origin is dict and args and args[1] is not Any:
+        entry = _reader(args[1])
+        return lambda value, where: {k: entry(v, (where, k, True))
+                                     for k, v in _expect(value, dict, "an object", where).items()}
     if origin is dict:
-        value = _expect(value, dict, "an object", path)
-        return {k: _value(args[1], v, key_path(path, k)) for k, v in value.items()} if args else value
-    return value
+        return lambda value, where: dict(_expect(value, dict, "an object", where))
+    return lambda value, where: value
 
 
-def _expect(value: Any, kinds: Any, what: str, path: str) -> Any:
+def _float(value: Any, where: Where) -> Any:
+    if type(value) is float:
+        return value
+    value = FLOAT_WORDS.get(value, value) if isinstance(value, str) else value
+    return _expect(value, (int, float), "a number", where)
+
+
+def _expect(value: Any, kinds: Any, what: str, where: Where) -> Any:
     if isinstance(value, bool) and kinds is not bool or not isinstance(value, kinds):
-        raise FieldTypeError(path, f"expected {what}, got {shown(value)}")
+        raise FieldTypeError(path_text(where), f"expected {what}, got {shown(value)}")
     return value
 
 
