@@ -77,8 +77,8 @@ def _emptiness(report: Any) -> str | None:
 
 
 def load_report(path: str | Path) -> Any:
-    """Read a report written with ``--format json`` (any kind). Raises AccumcheckError when it
-    cannot."""
+    """Read a report written with ``--format json`` (any kind), strictly (``report_from_data``).
+    Raises AccumcheckError, in one line naming the field where one is to blame, when it cannot."""
     path = Path(path)
     try:
         data = json.loads(read_text(path, "report", MAX_REPORT_BYTES), parse_int=schema.parse_int)
