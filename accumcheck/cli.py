@@ -23,7 +23,7 @@ from . import api
 from .casefile import builtin_cases
 from .errors import AccumcheckError
 from .files import check_output_file, check_output_folder, write_or_rescue
-from .launch import ending_signals, launched_rank, launched_world_size, signal_name, signal_number
+from .launch import ending_signals, launched_rank, launched_world_size, raise_pending, signal_name, signal_number
 from .options import (
     MODES,
     OPTIONS_BY_NAME,
@@ -386,6 +386,9 @@ class _LazyProgress:
         return self.update
 
     def update(self, phase: str, done: float, total: int) -> None:
+        """The run's progress, at each of its steps; also where a signal whose first Terminated
+        was swallowed (``launch.raise_pending``) ends the run."""
+        raise_pending()
         if self.progress is None:
             if not self.enabled or time.perf_counter() - self.started < self.DELAY_S or not sys.stderr.isatty():
                 return

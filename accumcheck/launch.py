@@ -1,6 +1,6 @@
 """Starting and ending processes: what the environment says about a job launcher (torchrun), read
-without importing torch, and the signals that end a run (SIGTERM and SIGHUP raised in the main
-thread as Ctrl-C raises KeyboardInterrupt, so that one path ends whatever the run started)."""
+without importing torch, and the signals that end a run (SIGTERM, SIGHUP and Ctrl-C raised in the
+main thread as one KeyboardInterrupt, so that one path ends whatever the run started)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def launched_rank() -> int:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where the main thread is, as SIGINT raises KeyboardInterrupt: the
+    """SIGTERM, SIGHUP or Ctrl-C, raised where the main thread is, as a KeyboardInterrupt: the
     ``finally`` blocks and ``with`` exits on the way out (data-parallel ranks, a progress bar, a
     file half written) run for all three alike."""
 
@@ -63,10 +63,11 @@ def signal_name(signum: int) -> str:
 
 @contextlib.contextmanager
 def ending_signals() -> Iterator[None]:
-    """Inside the block, SIGTERM and SIGHUP raise Terminated in the main thread; the handlers
-    before are put back after. Only signals left at their default (death without cleanup) are
-    taken: one ignored (``nohup``) or handled by the host program stays as it is. Outside the
-    main thread (where Python cannot set handlers) nothing changes."""
+    """Inside the block, SIGTERM, SIGHUP and Ctrl-C raise Terminated in the main thread; the
+    handlers before are put back after. Only signals left at their default (death without cleanup,
+    or Python's own KeyboardInterrupt) are taken: one ignored (``nohup``) or handled by the host
+    program stays as it is. Outside the main thread (where Python cannot set handlers) nothing
+    changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -74,12 +75,31 @@ def ending_signals() -> Iterator[None]:
     for signum in _ENDING:
         if signal.getsignal(signum) == signal.SIG_DFL:
             saved[signum] = signal.signal(signum, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        saved[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_terminated)
     try:
         yield
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+        _pending.clear()
+
+
+# Signals raised as Terminated since ending_signals began (cleared when it ends).
+_pending: list[int] = []
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    # Raised wherever the main thread is, the exception can land in code that swallows it: a
+    # ctypes callback (numba compiling or loading a kernel) or a finalizer prints "Exception
+    # ignored" and goes on. The signal is kept, and raise_pending raises it again at the run's
+    # next step.
+    _pending.append(signum)
     raise Terminated(signum)
+
+
+def raise_pending() -> None:
+    """Raise Terminated again for a signal whose first Terminated was swallowed (see
+    ``_raise_terminated``); nothing when none is waiting. Called at each step of a run."""
+    if _pending:
+        raise Terminated(_pending[0])

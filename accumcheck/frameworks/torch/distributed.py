@@ -53,7 +53,7 @@ from ...backend import ParamAccumulation, Progress, RankAccumulation, RunResult
 from ...cases import Case
 from ...config import RunConfig
 from ...errors import AccumcheckError
-from ...launch import launched_world_size
+from ...launch import launched_world_size, raise_pending
 from ...report import DataParallelSetup
 from .accumulate import accumulate, case_sums
 from .model import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
@@ -166,6 +166,7 @@ def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> R
 
         try:
             while not context.join(timeout=0.1):
+                raise_pending()  # a signal whose Terminated was swallowed ends the wait (launch.py)
                 drain()
         except mp.ProcessExitedException as exc:
             errors = sorted(Path(folder).glob("error-*.txt"))
