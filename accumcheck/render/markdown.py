@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
+from .names import shown
 from .text import (
     STACK_COLUMNS,
     cause_words,
@@ -25,7 +26,6 @@ from .text import (
     sweep_summary,
     tensor_details,
 )
-from .names import shown
 
 
 def _code(text: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -32,8 +32,18 @@ from .cross import CROSS_VERDICTS, Agreement, CrossReport, OddOneOut
 from .single import DataParallelResult, DataParallelSetup, FullBatchResult, Report
 from .stack import StackReport
 from .sweep import SweepReport
-from .tensor import (CAUSE_KINDS, COMPARED_MODES, FLAGGED_VERDICTS, KIND_ORDER, MARGINAL_RATIO, NEARER, SEVERITIES,
-                     VERDICTS, Cause, TensorResult)
+from .tensor import (
+    CAUSE_KINDS,
+    COMPARED_MODES,
+    FLAGGED_VERDICTS,
+    KIND_ORDER,
+    MARGINAL_RATIO,
+    NEARER,
+    SEVERITIES,
+    VERDICTS,
+    Cause,
+    TensorResult,
+)
 from .trajectory import TrajectoryReport
 from .values import SCHEMA_VERSION, FieldError, Where, path_text, shown
 

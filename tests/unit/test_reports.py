@@ -15,10 +15,22 @@ from hypothesis import strategies as st
 from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.errors import AccumcheckError, NothingJudgedError
 from accumcheck.judge import build_report
-from accumcheck.report import (CROSS_VERDICTS, KIND_ORDER, SEVERITIES, VERDICTS, Agreement, Cause, CrossReport, Report,
-                               SweepReport, TensorResult, load_report, report_from_data)
-from accumcheck.report.tensor import CAUSE_KINDS
+from accumcheck.report import (
+    CROSS_VERDICTS,
+    KIND_ORDER,
+    SEVERITIES,
+    VERDICTS,
+    Agreement,
+    Cause,
+    CrossReport,
+    Report,
+    SweepReport,
+    TensorResult,
+    load_report,
+    report_from_data,
+)
 from accumcheck.report.schema import FIELDS, INT_LIMIT, LongInteger, check_data, parse_int
+from accumcheck.report.tensor import CAUSE_KINDS
 from accumcheck.report.values import FieldError
 from accumcheck.trajectory import Trajectory
 

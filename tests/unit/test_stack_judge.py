@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from accumcheck.backend import StackWindow
-from accumcheck.judge.fullbatch import SEMANTIC_TOLERANCE
 from accumcheck.errors import AccumcheckError, NothingJudgedError
+from accumcheck.judge.fullbatch import SEMANTIC_TOLERANCE
 from accumcheck.judge.stack import Coverage, judge_window, stack_report
 from accumcheck.render import render
 from accumcheck.report import load_report, report_from_data
