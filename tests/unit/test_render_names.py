@@ -261,6 +261,15 @@ def reports_of_every_kind():
     yield "diff", diff, [c.name for c in diff.common], []
 
 
+def middle_cut(word: str, name: str) -> bool:
+    """Whether ``word`` is ``name`` cut in the middle: a start and an end of it, both kept, around
+    one ellipsis (a name cut at its end, as a table overflowing its column does, is not)."""
+    if word.count("…") != 1:
+        return False
+    head, tail = word.split("…")
+    return bool(head) and bool(tail) and name.startswith(head) and name.endswith(tail)
+
+
 @pytest.mark.parametrize("width", (60, 80, 100, 120))
 def test_every_table_fits_the_width_and_cuts_no_name_verdict_or_header(width):
     for kind, report, names, verdicts in reports_of_every_kind():
@@ -270,14 +279,14 @@ def test_every_table_fits_the_width_and_cuts_no_name_verdict_or_header(width):
         wide = [line for line in lines if cell_len(line) > width and line != summary]
         assert not wide, (kind, wide)  # the summary alone stays whole, however long
         words = set(text.split())
-        for name in names:  # whole on a line, or (too long for the width) cut in the middle only
-            assert name in words or any(w.count("…") == 1 and name.startswith(w.split("…")[0])
-                                        and name.endswith(w.split("…")[1]) for w in words), (kind, name)
-        for verdict in verdicts:
-            assert verdict in text, (kind, verdict)
+        for name in names:  # whole on a line, or (too long for the width) cut in the middle only: its
+            assert name in words or any(middle_cut(w, name) for w in words), (kind, name)  # start and end kept
+        rows = [line for line in lines if any(w in names or any(middle_cut(w, n) for n in names)
+                                              for w in line.split())]
+        for verdict in verdicts:  # whole in a table row beside its name, not only in the details below
+            assert any(verdict in row for row in (rows if names else lines)), (kind, verdict)
         for word in (w for w in words if "…" in w):  # nothing else shortened: no verdict, header or number
-            head, tail = word.split("…")
-            assert any(n.startswith(head) and n.endswith(tail) for n in names), (kind, word)
+            assert any(middle_cut(word, n) for n in names), (kind, word)
 
 
 @pytest.mark.parametrize("width", (80, 120))
