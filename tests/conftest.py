@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,21 @@ settings.register_profile("ci", max_examples=200, deadline=None, derandomize=Tru
 settings.register_profile("thorough", max_examples=10_000, deadline=None)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+# The signals a run ends on: their handlers are the host program's, left as found by every test (a
+# handler left behind would change what the next test's Ctrl-C does).
+ENDING = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_found():
+    before = {signum: signal.getsignal(signum) for signum in ENDING}
+    yield
+    changed = [signal.Signals(signum).name for signum, handler in before.items() if signal.getsignal(signum) != handler]
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+    assert not changed, f"the test left the handler of {', '.join(changed)} changed"
 
 
 def run_cli(*args: str, cwd=None, timeout: float = 300, env=None, columns: int = 120) -> subprocess.CompletedProcess:

@@ -1,24 +1,209 @@
-"""Lightning under the training stack check: a callback for ``Trainer(accumulate_grad_batches=N)``
-that sets each optimizer step's gradient (read before clipping) against its window's micro-batches
-as one batch.
-
-    from accumcheck.integrations.lightning import AccumulationCheck
+"""Lightning under accumcheck: a callback for ``Trainer(accumulate_grad_batches=N)`` that sets
+every optimizer step's gradient beside its window's gradient as one batch.
 
     check = AccumulationCheck(steps=3)
-    Trainer(accumulate_grad_batches=4, callbacks=[check]).fit(module, dataloader)
-    print(accumcheck.render.render(check.report, "table"))
+    trainer = Trainer(accumulate_grad_batches=4, callbacks=[check], ...)
+    trainer.fit(module, dataloader)
+    print(check.report.summary())
 
-``run_case(case, accum_steps, batches=None, fault=None)`` runs a built-in case through such a run.
-The names live in ``accumcheck.frameworks.torch.stacks.lightning``; importing this module imports
-neither PyTorch nor lightning, using a name does (a missing one is one AccumcheckError saying how to
-install it).
+What Lightning does is what is judged: it divides each micro-batch's ``training_step`` loss by N,
+and it steps on an epoch's last batch even when that window is short (still dividing by N). The
+window's reference is the module's own ``training_step`` on the window's micro-batches joined
+(with ``self.log`` silenced), or ``loss(module, batch)``. The gradient is read in
+``on_before_optimizer_step``, which Lightning calls after the closure's backward (and after
+unscaling AMP gradients) and before it clips. For the fit, the module and its optimizers run in
+float64 and every batch leaves the strategy's ``batch_to_device`` (after ``on_after_batch_transfer``)
+with its floating tensors in float64; both are put back when the fit ends or raises.
+
+A fit that judged nothing does not pass: reading ``report`` raises NothingJudgedError where the
+fit took no optimizer step and fed no batch (``max_epochs=0``, ``max_steps=0``,
+``limit_train_batches=0``, an empty data loader) or the callback never ran.
 """
 
 from __future__ import annotations
 
-from . import lazy_face
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable
 
-_NAMES = ("AccumulationCheck", "run_case")  # defined in accumcheck.frameworks.torch.stacks.lightning, loaded when first used
-__all__ = [*_NAMES]
-__getattr__, __dir__ = lazy_face(__name__, "accumcheck.frameworks.torch.stacks.lightning", _NAMES, needs=("lightning",),
-                                 what="lightning and PyTorch", install="pip install 'accumcheck[lightning]'")
+import lightning.pytorch as pl
+import torch
+
+from ....casefile import resolve_case
+from ....errors import AccumcheckError, NothingJudgedError
+from ....judge.stack import stack_report
+from ....options import stack_command
+from ....report import StackReport
+from .cases import FAULTS, CaseLM, case_batches, window_items
+from .recorder import Float64Run, StackRecorder, float64_leaves
+
+
+class AccumulationCheck(pl.Callback):
+    """The check of a Lightning fit as a callback. ``steps`` stops the fit after that many
+    optimizer steps; ``loss(module, batch)`` replaces ``training_step`` as the loss of the window
+    as one batch. ``report`` is the StackReport once the fit has ended (or raised); it raises
+    NothingJudgedError for a fit in which nothing was judged."""
+
+    def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None) -> None:
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise AccumcheckError(f"lightning.AccumulationCheck: steps must be a positive integer, got {steps!r}")
+        if loss is not None and not callable(loss):
+            raise AccumcheckError(f"lightning.AccumulationCheck: loss must be callable as loss(module, batch), "
+                                  f"got {type(loss).__name__}")
+        self.steps, self.loss = steps, loss
+        self.recorder: StackRecorder | None = None
+        self._run: Float64Run | None = None
+        self._report: StackReport | None = None
+        self._ended: tuple[Any, ...] | None = None  # what the report needs from the fit, once it ended
+        self._first_index = 0
+
+    @property
+    def report(self) -> StackReport:
+        """The fit's StackReport, judged when first read; NothingJudgedError where nothing was judged."""
+        if self._report is None:
+            if self._ended is None:
+                raise NothingJudgedError("lightning.AccumulationCheck: no report yet; pass the callback to "
+                                         "Trainer(callbacks=[...]) and read .report after trainer.fit")
+            self._report = self._build_report(*self._ended)
+        return self._report
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._accum_steps, self._module = trainer.accumulate_grad_batches, pl_module
+        self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True)
+        self._report, self._ended = None, None
+        self._run = Float64Run(pl_module, tuple(trainer.optimizers))
+        self._run.__enter__()
+        self._strategy = trainer.strategy
+        transfer = trainer.strategy.batch_to_device
+        trainer.strategy.batch_to_device = lambda *args, **kwargs: float64_leaves(transfer(*args, **kwargs))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self.recorder.pending:
+            self._first_index = batch_idx
+        self.recorder.record(batch)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # after the window's backward passes, before Lightning clips; not the optimizer's step
+        # pre-hook, which fires before the closure that runs the last micro-batch's backward
+        self.recorder.stepped()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.steps is not None and len(self.recorder.windows) >= self.steps:
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._finish(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._finish(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._finish(trainer)
+
+    def _finish(self, trainer: Any) -> None:
+        if self._run is None:
+            return
+        run, self._run = self._run, None
+        try:
+            self._strategy.__dict__.pop("batch_to_device", None)
+        finally:
+            run.__exit__(None, None, None)
+        self._ended = (trainer.gradient_clip_val, run.dropouts, _idle_fix(trainer))
+
+    def _window_loss(self, module: Any, batch: Any) -> Any:
+        """``loss(module, batch)``, or the module's ``training_step`` on the window as one batch,
+        with ``self.log`` silenced (the reference is no metric of the run) and the trainer's
+        ``accumulate_grad_batches`` 1 while it runs (one batch is a window of one), so a
+        training_step that divides by it is caught dividing the real windows."""
+        if self.loss is not None:
+            return self.loss(module, batch)
+        trainer = module.trainer
+        silent = {name: lambda *args, **kwargs: None for name in ("log", "log_dict")}
+        module.__dict__.update(silent)
+        trainer.accumulate_grad_batches = 1
+        try:
+            out = module.training_step(batch, self._first_index)
+        finally:
+            trainer.accumulate_grad_batches = self._accum_steps
+            for name in silent:
+                module.__dict__.pop(name, None)
+        return out.get("loss") if isinstance(out, Mapping) else out
+
+    def _build_report(self, clip: Any, dropouts: int, idle_fix: str) -> StackReport:
+        recorder, n = self.recorder, self._accum_steps
+        reference = "loss(module, batch)" if self.loss is not None else \
+            f"{type(self._module).__name__}.training_step (self.log silenced, accumulate_grad_batches 1)"
+        notes = [f"Lightning's own loop: accumulate_grad_batches = {n}, gradient_clip_val = "
+                 f"{clip} (the gradient is read in on_before_optimizer_step, before clipping); "
+                 f"{reference} on the window as one batch for the reference",
+                 f"dropout off ({dropouts} rates set to 0); the module, its optimizers and the random states "
+                 "were put back after the fit"]
+        coverage = recorder.coverage("lightning.AccumulationCheck", "the fit's training batches",
+                                     "let the fit feed its batches (training_step with automatic optimization)",
+                                     "the fit", idle_fix)
+        return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen,
+                            {"lightning": pl.__version__, "torch": torch.__version__}, notes,
+                            reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}) "
+                                      "among the Trainer's callbacks", coverage=coverage)
+
+
+def _idle_fix(trainer: Any) -> str:
+    """Why a fit took no step, from the Trainer's settings: no epoch, no step, no batch, or no data."""
+    for name in ("max_epochs", "max_steps", "limit_train_batches"):
+        if getattr(trainer, name, None) == 0:
+            return f"the Trainer has {name}=0; let it train at least one window"
+    return "was the training data loader empty? give the fit at least one batch"
+
+
+class CaseModule(pl.LightningModule):
+    """A built-in case as a user's LightningModule written for windows of different token counts:
+    each micro-batch's token-summed loss over its window's labelled tokens, times N (Lightning
+    divides by N); ``loss_over_n`` divides by N once more, as a module that does Lightning's
+    division itself would."""
+
+    def __init__(self, case_model: CaseLM, accum_steps: int, items: list[int], loss_over_n: bool = False) -> None:
+        super().__init__()
+        self.case = case_model
+        self.accum_steps, self.items, self.loss_over_n = accum_steps, items, loss_over_n
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.case(**batch, num_items_in_batch=self.items[batch_idx])["loss"] * self.accum_steps
+        return loss / self.accum_steps if self.loss_over_n else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+    """A built-in token case through ``Trainer(accumulate_grad_batches=N, gradient_clip_val=1.0)``
+    for one epoch of ``batches`` micro-batches (default 2N + 2: two full windows and a short
+    one). ``fault``: "micro-batch-mean" (the model ignores the window's token count) or
+    "loss-over-n" (training_step divides by N, which Lightning does again). Returns the
+    StackReport of every step."""
+    if fault not in (None, *FAULTS):
+        raise AccumcheckError(f"--fault {fault}: not a fault the lightning stack runs; use one of {', '.join(FAULTS)}")
+    case = resolve_case(case)
+    count = 2 * accum_steps + 2 if batches is None else batches
+    micro_batches = case_batches(case, count)
+    case_model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
+    module = CaseModule(case_model, accum_steps, window_items(micro_batches, accum_steps), fault == "loss-over-n")
+    # the window's reference: the case's own token mean over it (training_step knows the run's windows only)
+    check = AccumulationCheck(loss=lambda m, batch: m.case(**batch)["loss"])
+    chatter = logging.getLogger("lightning.pytorch")
+    level = chatter.level
+    chatter.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no workers, no logger: what a small run means to do
+            trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=accum_steps,
+                                 gradient_clip_val=1.0, callbacks=[check], logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(module, torch.utils.data.DataLoader(micro_batches, batch_size=None))
+    finally:
+        chatter.setLevel(level)
+    report = check.report
+    report.model = f"{case.name} (built-in case)"
+    report.reproduce = stack_command("lightning", case.name, accum_steps, batches, fault)
+    report.micro_batches_expected = count
+    return report

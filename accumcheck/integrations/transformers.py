@@ -1,24 +1,215 @@
-"""Hugging Face ``Trainer`` under the training stack check: K optimizer steps of your Trainer as
-configured, each step's gradient (read before clipping) against its window's micro-batches as one
-batch.
+"""Hugging Face ``Trainer`` under accumcheck: K optimizer steps of the user's Trainer as configured
+(its ``gradient_accumulation_steps``, data collator, ``compute_loss``), each step's gradient set
+beside its window's gradient as one batch.
 
-    from accumcheck.integrations.transformers import check
+    report = accumcheck.integrations.transformers.check(trainer, steps=3)
 
-    report = check(trainer, steps=3)
-    print(accumcheck.render.render(report, "table"))
-
-``run_case(case, accum_steps, batches=None, fault=None)`` runs a built-in case through a Trainer.
-The names live in ``accumcheck.frameworks.torch.stacks.transformers``; importing this module
-imports neither torch nor transformers, using a name does (a missing one is one AccumcheckError
-saying how to install it).
+What would hide the check is handled: the gradient is read before the Trainer clips it (its
+``accelerator.clip_grad_norm_``; the optimizer's step pre-hook where it does not clip); the
+micro-batches are recorded as the Trainer feeds them (after its sampler shuffled them); the
+reference is computed before the optimizer moves the parameters; and the model, its optimizer
+and scheduler (where the Trainer had them), the Trainer's state and the random states are put
+back afterwards, so the check leaves no trace of the steps it ran. A run that took no optimizer
+step and fed no micro-batch (``num_train_epochs=0``, ``max_steps=0``) raises NothingJudgedError
+once all that is put back: nothing was judged, so nothing passes.
 """
 
 from __future__ import annotations
 
-from . import lazy_face
+import copy
+import importlib
+import inspect
+import math
+import os
+import sys
+import tempfile
+from typing import Any
 
-_NAMES = ("check", "run_case")  # defined in accumcheck.frameworks.torch.stacks.transformers, loaded when first used
-__all__ = [*_NAMES]
-__getattr__, __dir__ = lazy_face(__name__, "accumcheck.frameworks.torch.stacks.transformers", _NAMES,
-                                 needs=("transformers", "accelerate"), what="transformers, accelerate and PyTorch",
-                                 install="pip install 'accumcheck[transformers]'")
+from ....cases import Case
+from ....errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
+from ....judge.stack import stack_report
+from ....options import stack_command
+from ....report import StackReport
+from .cases import CaseLM, case_examples
+
+FAULTS = ("micro-batch-mean", "loss-over-n")
+from .recorder import Float64Run, StackRecorder, stack_library
+
+
+def check(trainer: Any, steps: int | None = None) -> StackReport:
+    """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
+    for) in float64 and judge each step's gradient against its window's as one batch. Returns a
+    StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on.
+    Raises NothingJudgedError where the Trainer ran no optimizer step and fed no micro-batch."""
+    transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
+    if not isinstance(trainer, transformers.Trainer):
+        raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise AccumcheckError(f"transformers.check: steps must be a positive integer, got {steps!r}")
+    model = trainer.model
+    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch))
+    callback = _callback(transformers, recorder, steps)
+    saved = {name: getattr(trainer, name, None) for name in ("optimizer", "lr_scheduler", "state", "control")}
+    schedule = None if trainer.lr_scheduler is None else copy.deepcopy(trainer.lr_scheduler.state_dict())
+    clip = trainer.accelerator.clip_grad_norm_
+    run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else ())
+    callbacks = list(trainer.callback_handler.callbacks)
+    # The check's steps are no training of yours: not printed, not sent to TensorBoard, W&B, ...
+    trainer.callback_handler.callbacks = [c for c in callbacks if not _reports(transformers, c)]
+    trainer.add_callback(callback)
+    try:
+        with run:
+            trainer.training_step = _recording(trainer.training_step, recorder)
+            trainer.accelerator.clip_grad_norm_ = _captured_first(clip, recorder)
+            try:
+                trainer.train()
+            except AccumcheckError:
+                raise
+            except USER_EXCEPTIONS as exc:
+                if _raised_here(exc):
+                    raise
+                raise UserCodeError(f"transformers.check: the Trainer raised {type(exc).__name__}: "
+                                    f"{first_line(exc)}; fix the Trainer's model, data or arguments") from exc
+            finally:
+                recorder.unwatch()
+    finally:
+        trainer.__dict__.pop("training_step", None)
+        trainer.accelerator.__dict__.pop("clip_grad_norm_", None)
+        trainer.callback_handler.callbacks = callbacks
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+        if schedule is not None:  # a scheduler the user gave the Trainer counted the run's steps
+            trainer.lr_scheduler.load_state_dict(schedule)
+    args = trainer.args
+    expected = None
+    if steps is None and args.max_steps <= 0:  # the whole configured run: every batch of every epoch
+        expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs)
+    notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
+             f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
+             f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference; the windows' "
+             "micro-batches as the Trainer's sampler fed them",
+             f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
+             "optimizer, scheduler, Trainer state and random states were put back after it"]
+    coverage = recorder.coverage("transformers.check", "the Trainer's training_step",
+                                 "let the Trainer's own loop feed its micro-batches (a training loop of your own: "
+                                 "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
+    return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
+                        recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
+                        reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
+                        micro_batches_expected=expected, coverage=coverage)
+
+
+def _idle_fix(args: Any) -> str:
+    """Why a Trainer took no step, from its arguments: no epoch and no max_steps, or no data."""
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        return (f"its arguments ask for num_train_epochs={args.num_train_epochs:g} and max_steps={args.max_steps}; "
+                "train for at least one epoch or give max_steps")
+    return "is its train_dataset empty? give it at least one micro-batch, or a positive max_steps"
+
+
+def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+    """A built-in case through a Hugging Face Trainer as a user would set it up (its default
+    clipping, AdamW, shuffling; the model passes ``num_items_in_batch`` on), ``batches``
+    micro-batches (default 2N + 2: two full windows and a short one), in one epoch."""
+    transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
+    if fault not in (None, *FAULTS):
+        raise AccumcheckError(f"--fault {fault}: not a fault the transformers stack runs; use one of {', '.join(FAULTS)}")
+    model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
+    count = 2 * accum_steps + 2 if batches is None else batches
+    with tempfile.TemporaryDirectory(prefix="accumcheck-trainer-") as folder:
+        args = transformers.TrainingArguments(
+            output_dir=folder, per_device_train_batch_size=case.input.batch_size, gradient_accumulation_steps=accum_steps,
+            num_train_epochs=1, learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
+            use_cpu=True, disable_tqdm=True, seed=case.seed)
+        kind = _loss_over_n(transformers.Trainer) if fault == "loss-over-n" else transformers.Trainer
+        trainer = kind(model=model, args=args, train_dataset=case_examples(case, count))
+        report = check(trainer)
+    report.model = f"{case.name} (built-in case)"
+    report.reproduce = stack_command("transformers", case.name, accum_steps, batches, fault)
+    return report
+
+
+def _loss_over_n(base: type) -> type:
+    class LossOverN(base):  # type: ignore[misc, valid-type]
+        """The loss divided by N once more in compute_loss: the Trainer divides it already."""
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(model, inputs, *args, **kwargs) / self.args.gradient_accumulation_steps
+
+    return LossOverN
+
+
+def _reports(transformers: Any, callback: Any) -> bool:
+    """A callback that prints or reports the run (progress bars, logs, experiment trackers)."""
+    return isinstance(callback, (transformers.PrinterCallback, transformers.ProgressCallback)) or \
+        type(callback).__module__.startswith("transformers.integrations")
+
+
+def _window_loss(trainer: Any, model: Any, batch: Any) -> Any:
+    """The Trainer's own loss of the window as one batch: its ``compute_loss`` with no
+    ``num_items_in_batch``, so the loss normalises over the window itself, and with
+    ``gradient_accumulation_steps`` 1 while it runs (one batch is a window of one), so a
+    ``compute_loss`` that divides by it is caught dividing the real windows."""
+    inputs = trainer._prepare_inputs(batch)
+    saved = trainer.args.gradient_accumulation_steps, trainer.__dict__.get("current_gradient_accumulation_steps")
+    trainer.args.gradient_accumulation_steps = 1
+    if saved[1] is not None:
+        trainer.current_gradient_accumulation_steps = 1
+    try:
+        if "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters:
+            return trainer.compute_loss(model, inputs, num_items_in_batch=None)
+        return trainer.compute_loss(model, inputs)
+    finally:
+        trainer.args.gradient_accumulation_steps = saved[0]
+        if saved[1] is not None:
+            trainer.current_gradient_accumulation_steps = saved[1]
+
+
+def _recording(training_step: Any, recorder: StackRecorder) -> Any:
+    def step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.record(inputs)
+        return training_step(model, inputs, *args, **kwargs)
+    return step
+
+
+def _captured_first(clip: Any, recorder: StackRecorder) -> Any:
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        recorder.capture()  # the gradient as the optimizer would apply it, before clipping
+        return clip(*args, **kwargs)
+    return clip_grad_norm_
+
+
+def _callback(transformers: Any, recorder: StackRecorder, steps: int | None) -> Any:
+    class AccumulationCheckCallback(transformers.TrainerCallback):
+        """Watches the optimizer the Trainer made, and stops after ``steps`` optimizer steps."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if optimizer is not None:
+                recorder.watch(optimizer)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if steps is not None and len(recorder.windows) >= steps:
+                control.should_training_stop = True
+
+    return AccumulationCheckCallback()
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    found = {"torch": torch.__version__}
+    try:
+        found["accelerate"] = importlib.import_module("accelerate").__version__
+    except ImportError:
+        pass
+    return found
+
+
+def _raised_here(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is accumcheck's own code (a bug of ours, exit 3), not
+    the Trainer's, the model's or the data's (the user's run, exit 2)."""
+    package = os.path.dirname(os.path.abspath(sys.modules[__name__.partition(".")[0]].__file__))
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(package + os.sep)

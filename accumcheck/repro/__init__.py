@@ -1,0 +1,1 @@
+"""Reproductions for bug reports: the request, the script's text, the shrinker."""
