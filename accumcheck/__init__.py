@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .frameworks import install_public_paths
 from .version import __version__
 
 # name -> the module that defines it
@@ -21,13 +20,11 @@ _EXPORTS = {
     "compare": "api", "compare_frameworks": "api", "sweep": "api", "train": "api",
     "assert_faithful": "assertions", "AccumulationMismatch": "assertions",
     "AccumcheckError": "errors", "NothingJudgedError": "errors", "UserCodeError": "errors",
-    "RunConfig": "config", "configure": "validation",
+    "RunConfig": "run.config", "configure": "run.validation",
     "Report": "report", "TensorResult": "report", "CrossReport": "report", "load_report": "report",
-    "Backend": "backend", "Capabilities": "backend", "register_backend": "registry",
+    "Backend": "run.backend", "Capabilities": "run.backend", "register_backend": "run.registry",
 }
 __all__ = ["__version__", *_EXPORTS]
-
-install_public_paths()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """The Python entry point. ``compare`` runs a case in a framework (or two) and returns its Report;
 ``compare_frameworks``, ``sweep`` and ``train`` are its siblings. Each builds its RunConfig once
-(``accumcheck.validation.configure``), runs the chosen backend, and hands the backend's arrays to the judge.
+(``accumcheck.run.validation.configure``), runs the chosen backend, and hands the backend's arrays to the judge.
 
     import accumcheck
     report = accumcheck.compare("transformer-small", framework="torch", accum_steps=32)
@@ -18,26 +18,28 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .backend import Backend, Progress, RunResult
-from .budget import plan
-from .casefile import resolve_case
-from .cases import Case
-from .config import RunConfig
+from .case.definition import Case
+from .case.reading import resolve_case
 from .diagnostics.layers import layer_norms
 from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
-from .faults import Fault, resolve_fault
 from .judge import Judge, agreement, build_report, forward_agreement, odd_one_out
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
-from .options import STACKS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
-from .registry import backend_names, backend_options, get_backend, installed_backends
+from .options import TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
-from .repro import ReproFiles, check_request, target_of, write_text
-from .repro import write as write_script
-from .resources import check_stack_resources, estimate_stack
-from .shrink import MAX_TRIALS, case_toml
-from .shrink import shrink as shrink_case
-from .validation import checked_values, configure
+from .repro.request import ReproFiles, check_request, target_of, write_text
+from .repro.request import write as write_script
+from .repro.shrink import MAX_TRIALS, case_toml
+from .repro.shrink import shrink as shrink_case
+from .run.backend import Backend, Progress
+from .run.budget import plan
+from .run.choices import STACKS
+from .run.config import RunConfig
+from .run.faults import Fault, resolve_fault
+from .run.registry import backend_names, backend_options, get_backend, installed_backends
+from .run.resources import check_stack_resources, estimate_stack
+from .run.results import RunResult
+from .run.validation import checked_values, configure
 
 
 def compare(case: str | Path | Case = "embed-attention", framework: str | Sequence[str] | None = None,
@@ -210,6 +212,15 @@ def train(case: str | Path | Case = "tiny-grads", *, steps: int = 20, optimizer:
     return backend.train(config, own["steps"], own["optimizer"], own["lr"], progress)
 
 
+# The integration that runs a built-in case through each training stack (its ``run_case``).
+STACK_MODULES = {
+    "transformers": "accumcheck.integrations.transformers",
+    "accelerate": "accumcheck.integrations.accelerate",
+    "lightning": "accumcheck.integrations.lightning",
+    "gluon": "accumcheck.integrations.gluon",
+}
+
+
 def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: int | None = None,
           batches: int | None = None, fault: str | None = None, force: bool = False) -> Any:
     """A built-in case (or case file) run through a training stack ("transformers",
@@ -217,7 +228,7 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
     against its window as one batch; ``fault`` breaks the loop on purpose ("micro-batch-mean",
     "loss-over-n", and for gluon "step-per-micro-batch"). Returns a StackReport. A run that
     needs more memory than is available is refused before it starts, with the estimate
-    (``accumcheck.resources.estimate_stack``), unless ``force``."""
+    (``accumcheck.run.resources.estimate_stack``), unless ``force``."""
     if stack not in STACKS:
         raise AccumcheckError(f"--stack {stack}: not a training stack accumcheck knows; use one of {', '.join(STACKS)}")
     resolved = resolve_case(case)
@@ -226,7 +237,7 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
             raise AccumcheckError(f"{name} {value}: give a positive whole number")
     steps = accum_steps or resolved.accum_steps
     check_stack_resources(estimate_stack(resolved, steps, batches), force=force)
-    module = importlib.import_module(f"accumcheck.integrations.{stack}")
+    module = importlib.import_module(STACK_MODULES[stack])  # imports the stack's framework
     return module.run_case(resolved, steps, batches, fault)
 
 
@@ -235,7 +246,7 @@ def write_repro(report: Report, config: RunConfig, path: str | Path, *, shrink: 
     """Write the standalone script ``path`` (a .py file) that reproduces ``config``'s run (its
     ``report``) with the framework and numpy alone, and its data beside it (the same name, .npz):
     ``accumcheck compare --repro``. With ``shrink`` the case is first made as small as it gets
-    while a tensor stays flagged (at most ``max_trials`` runs; ``accumcheck.shrink``), and written
+    while a tensor stays flagged (at most ``max_trials`` runs; ``accumcheck.repro.shrink``), and written
     beside them (.toml); a run that flagged nothing is not shrunk. ``log`` is told each kept
     reduction. Returns the files. Raises AccumcheckError for what cannot be reproduced or
     written."""

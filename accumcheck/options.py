@@ -18,19 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .budget import byte_count
+from .run.budget import byte_count
+from .run.choices import ACCUM_DTYPES, DTYPES, FAIL_ON, FAULT_KINDS, MODES, REDUCTIONS, SEED_LIMIT
 
 Check = Callable[[Any], Any]  # a Python value -> the value; raises ValueError saying what is wrong
 
-DTYPES = ("float32", "bfloat16", "float16")
-ACCUM_DTYPES = ("float32", "float64")
-MODES = ("native", "accumulator", "compensated")
-REDUCTIONS = ("mean", "sum", "token_count")
-FAULT_KINDS = ("drop-step", "repeat-step", "double-step", "scale", "bf16", "roundoff")
-# What fails a run (exit 1): every flagged tensor ("marginal", the default), only the decisive ones
-# ("diverged"), or suspicious ones too ("suspicious", what --strict means).
-FAIL_ON = ("suspicious", "marginal", "diverged")
-SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
 
 @dataclass(frozen=True)
@@ -303,10 +295,6 @@ def add_options(add_argument: Callable[..., Any], options: Iterable[Option], pre
     for option in options:
         option.add_to(add_argument, prefix, as_list=as_lists and option.pytest == "list",
                       default=None if as_lists else ...)
-
-
-STACKS = ("transformers", "accelerate", "lightning", "gluon")
-STACK_FAULTS = ("micro-batch-mean", "loss-over-n", "step-per-micro-batch")
 
 
 def stack_command(stack: str, case: str, accum_steps: int, batches: int | None = None, fault: str | None = None) -> str:

@@ -54,9 +54,9 @@ def pytest_configure(config: pytest.Config) -> None:
     frameworks, cases = _names(config.getoption("--accum-framework")), config.getoption("--accum-case") or []
     if not frameworks and not cases:
         return
-    from .casefile import resolve_case
+    from .case.reading import resolve_case
     from .errors import AccumcheckError
-    from .registry import backend_names
+    from .run.registry import backend_names
 
     for name in frameworks:
         if name not in backend_names():
@@ -72,8 +72,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def _settings(config: pytest.Config) -> dict[str, list]:
     """The values each parametrised fixture runs over (the options given, else the defaults:
     the case's own steps, the installed frameworks, the CPU, every built-in case)."""
-    from .casefile import builtin_case_names
-    from .registry import installed_backends
+    from .case.reading import builtin_case_names
+    from .run.registry import installed_backends
 
     return {
         "steps": config.getoption("--accum-steps") or [None],
@@ -122,7 +122,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _framework_param(name: str) -> Any:
     """A framework to run, skipped (with the install hint) where it is not installed."""
     from .errors import AccumcheckError
-    from .registry import get_backend
+    from .run.registry import get_backend
 
     try:
         get_backend(name)
@@ -147,7 +147,7 @@ def accum_framework(request: pytest.FixtureRequest) -> str | None:
 def accum_device(request: pytest.FixtureRequest, accum_framework: str | None) -> str:
     """The device of this run; a run on a GPU is skipped where the framework sees none."""
     from .options import device_kind
-    from .registry import default_backend, get_backend
+    from .run.registry import default_backend, get_backend
 
     device = getattr(request, "param", "cpu")
     kind = device_kind(device)
@@ -170,7 +170,7 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
     device and steps (and ``world_size`` from --accum-world-size where the backend runs
     data-parallel); the report is saved under --accum-report when given."""
     from .api import compare
-    from .registry import default_backend, get_backend
+    from .run.registry import default_backend, get_backend
 
     world = request.config.getoption("--accum-world-size")
     budget = request.config.getoption("--accum-memory-budget")
@@ -180,7 +180,7 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
         options = {"framework": framework, "device": accum_device, "accum_steps": accum_steps, **kwargs}
         if world and get_backend(framework).capabilities.data_parallel:
             options.setdefault("world_size", world)
-        from .budget import UNBUDGETED
+        from .run.budget import UNBUDGETED
 
         if budget and get_backend(framework).capabilities.memory_budget and not any(
                 options.get(name) for name in UNBUDGETED):
@@ -198,8 +198,8 @@ def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Call
     --accum-report when given."""
     import inspect
 
-    from .budget import UNBUDGETED
-    from .setupfile import user_check
+    from .run.budget import UNBUDGETED
+    from .run.setupfile import user_check
 
     budget = request.config.getoption("--accum-memory-budget")
 

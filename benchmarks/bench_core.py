@@ -117,11 +117,11 @@ def bench_overhead(steps: int, reps: int, device: str = "cpu") -> dict:
     import torch
 
     import accumcheck
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.torch.backend import TorchBackend
-    from accumcheck.frameworks.torch.model import build_model, case_loss
+    from accumcheck.case.reading import resolve_case
     from accumcheck.judge import build_report
-    from accumcheck.validation import configure
+    from accumcheck.run.validation import configure
+    from accumcheck.torch.backend import TorchBackend
+    from accumcheck.torch.model import build_model, case_loss
 
     case = resolve_case(CASE)
     dev = torch.device(device)
@@ -238,9 +238,9 @@ def bench_comparator(n: int, reps: int) -> dict:
     import torch
 
     from accumcheck.bounds import ModeBound
-    from accumcheck.frameworks.torch.judging import reduce_tensors
     from accumcheck.judge import compare_tensor
     from accumcheck.judge.kernel import _CHUNK, _MAX_CHUNKS
+    from accumcheck.torch.judging import reduce_tensors
 
     a, b, e, s = make_tensors(n)
     bound = ModeBound.for_sum("float32", 8)
@@ -290,8 +290,8 @@ def _plain_ddp_rank(rank: int, world: int, folder: str, steps: int) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.torch.model import build_model, case_loss
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.torch.model import build_model, case_loss
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
@@ -316,7 +316,7 @@ def bench_data_parallel(steps: int, reps: int, world: int = 2) -> dict:
     import torch.multiprocessing as mp
 
     import accumcheck
-    from accumcheck.frameworks.torch.distributed import _start_method
+    from accumcheck.torch.distributed import _start_method
 
     method = _start_method()
 
@@ -344,8 +344,8 @@ def bench_mxnet(steps: int, reps: int) -> dict | None:
     except ImportError:
         return None
     import accumcheck
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.mxnet.passes import case_step, prepared
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.mxnet.passes import case_step, prepared
 
     case = resolve_case(CASE)
 

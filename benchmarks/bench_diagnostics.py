@@ -65,8 +65,9 @@ class Trainer:
 
     def __init__(self, variant: str, device: str = "cpu") -> None:
         import torch
-        from accumcheck.diagnostics.torch import GradMonitor
         from torch.utils.tensorboard import SummaryWriter
+
+        from accumcheck.torch import GradMonitor
 
         self.torch, self.variant, self.device = torch, variant, device
         self.model = make_model(device)
@@ -124,7 +125,7 @@ def rounds(reps: int, steps: int, chunk: int, device: str = "cpu") -> dict[str, 
 def model_figures() -> dict:
     """The model's size, and what every-step computes and writes each step: its layers, the
     gradient tensors (and values) its min/max pass reads, and the scalars it writes."""
-    from accumcheck.diagnostics.torch import GradMonitor
+    from accumcheck.torch import GradMonitor
 
     model = make_model()
     monitor = GradMonitor(model)

@@ -67,8 +67,9 @@ class Trainer:
 
     def __init__(self, variant: str) -> None:
         import mxnet as mx
-        from accumcheck.diagnostics.mxnet import GradMonitor
         from mxnet import gluon
+
+        from accumcheck.mxnet import GradMonitor
 
         self.mx, self.gluon, self.variant = mx, gluon, variant
         self.net = make_net()
@@ -118,7 +119,7 @@ def rounds(reps: int, steps: int, chunk: int) -> dict[str, list[float]]:
 
 
 def model_figures() -> dict:
-    from accumcheck.diagnostics.mxnet import GradMonitor
+    from accumcheck.mxnet import GradMonitor
 
     net = make_net()
     monitor = GradMonitor(net)

@@ -31,8 +31,8 @@ def plain_loop(steps: int) -> None:
     import jax
     import optax
 
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.jax.model import batch_arrays, case_params, grad_function
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.jax.model import batch_arrays, case_params, grad_function
 
     case = resolve_case(CASE)
     device = jax.devices("cpu")[0]

@@ -31,8 +31,8 @@ ORDER = ("identical", "round-off", "suspicious", "diverged")
 def verdict(alpha: float, seed: int) -> str:
     import numpy as np
 
-    from accumcheck.backend import ParamAccumulation, RunResult
     from accumcheck.judge import build_report
+    from accumcheck.run.results import ParamAccumulation, RunResult
 
     grads = np.random.default_rng(seed).standard_normal((STEPS, *SHAPE)).astype(np.float32)
     native = np.zeros(SHAPE, np.float32)

@@ -1,1 +1,1 @@
-"""Built-in cases: one TOML file each, loaded by ``accumcheck.cases``."""
+"""Built-in cases: one TOML file each, loaded by ``accumcheck.case.definition``."""

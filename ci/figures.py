@@ -162,8 +162,8 @@ def synthetic_causes() -> list[tuple[str, str]]:
     micro-gradients, the native total computed as the first column says."""
     import numpy as np
 
-    from accumcheck.backend import ParamAccumulation, RunResult
     from accumcheck.judge import build_report
+    from accumcheck.run.results import ParamAccumulation, RunResult
 
     grads = np.random.default_rng(0).standard_normal((16, 32, 32)).astype(np.float32)
 
@@ -193,7 +193,7 @@ def synthetic_causes() -> list[tuple[str, str]]:
 
 
 def cases() -> list[str]:
-    from accumcheck.casefile import builtin_case_names
+    from accumcheck.case.reading import builtin_case_names
 
     return list(builtin_case_names())
 
@@ -331,7 +331,7 @@ def data_parallel_figures() -> dict[str, str]:
 def backend_run(case: str, framework: str, **options):
     """A backend's raw result (native, manual, E, S, O per parameter), as accumcheck.compare runs it."""
     import accumcheck
-    from accumcheck.registry import get_backend
+    from accumcheck.run.registry import get_backend
 
     return get_backend(framework).run(accumcheck.configure({"case": case, "framework": framework, **options}))
 

@@ -34,9 +34,9 @@ import torch
 
 import accumcheck
 from accumcheck.bounds import ModeBound
-from accumcheck.casefile import builtin_case, builtin_case_names
-from accumcheck.frameworks.torch.accumulate import case_sums
-from accumcheck.frameworks.torch.model import build_model, deterministic, to_numpy
+from accumcheck.case.reading import builtin_case, builtin_case_names
+from accumcheck.torch.accumulate import case_sums
+from accumcheck.torch.model import build_model, deterministic, to_numpy
 
 DEV = torch.device("cuda")
 WHERE = "gpu"  # accumcheck's --device; --device cpu runs the same checks on the CPU (a dry run)
@@ -135,13 +135,13 @@ def check_judging() -> dict:
     device reduction's throughput on 20M and 200M float32 elements, half of them differing."""
     import dataclasses
 
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.torch.backend import TorchBackend
-    from accumcheck.frameworks.torch.judging import reduce_tensors
+    from accumcheck.case.reading import resolve_case
     from accumcheck.judge import build_report
     from accumcheck.judge.kernel import reduce_on_host
-    from accumcheck.options import FAULT_KINDS
-    from accumcheck.validation import configure
+    from accumcheck.run.choices import FAULT_KINDS
+    from accumcheck.run.validation import configure
+    from accumcheck.torch.backend import TorchBackend
+    from accumcheck.torch.judging import reduce_tensors
 
     cases, ok = {}, True
     for name in builtin_case_names():

@@ -109,8 +109,8 @@ shrunk_script_rc=$?
 if [ "$shrink_rc" -ne 1 ] || [ "$shrunk_rc" -ne 1 ] || [ "$shrunk_script_rc" -ne 1 ] \
      || ! "$venv/bin/python" - "$repro/shrunk/repro.toml" <<'PY'
 import sys
-from accumcheck.casefile import builtin_case, load_case
-from accumcheck.shrink import size
+from accumcheck.case.reading import builtin_case, load_case
+from accumcheck.repro.shrink import size
 original, shrunk = builtin_case("shared-weight"), load_case(sys.argv[1])
 before, after = size(original, original.accum_steps), size(shrunk, shrunk.accum_steps)
 print("shrunk case:", ", ".join(f"{m} {before[m]} -> {after[m]}" for m in before))

@@ -31,9 +31,12 @@ from typing import Any
 import accumcheck
 
 try:
-    from accumcheck.casefile import builtin_case_names
-except ImportError:  # the layout of accumcheck 0.1.0
-    from accumcheck.cases import builtin_case_names
+    from accumcheck.case.reading import builtin_case_names
+except ImportError:  # earlier layouts: a flat package
+    try:
+        from accumcheck.casefile import builtin_case_names
+    except ImportError:
+        from accumcheck.cases import builtin_case_names
 
 STEPS = 16
 FRAMEWORKS = ("torch", "mxnet", "torch+mxnet")

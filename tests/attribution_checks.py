@@ -2,8 +2,8 @@
 
 import pytest
 
-from accumcheck.faults import SCALE_FACTOR
 from accumcheck.judge.attribution import describe
+from accumcheck.run.faults import SCALE_FACTOR
 
 # fault kind -> (cause kind, whether it names the micro-step, the factor it must find)
 EXPECTED = {

@@ -1,10 +1,10 @@
 """A run judged in groups (--memory-budget) against the same run judged at once: the same report,
 field for field and float for float (shared by the framework tests)."""
 
-from accumcheck.budget import minimum
-from accumcheck.registry import get_backend
 from accumcheck.report.values import encode
-from accumcheck.validation import configure
+from accumcheck.run.budget import minimum
+from accumcheck.run.registry import get_backend
+from accumcheck.run.validation import configure
 
 # What may differ: the run's timing and creation time, its options (the budget) and the groups.
 UNCOMPARED = {"seconds", "created", "config", "groups"}

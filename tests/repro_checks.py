@@ -13,8 +13,8 @@ import numpy as np
 
 from accumcheck import api
 from accumcheck.judge import build_report
-from accumcheck.registry import get_backend
-from accumcheck.validation import configure
+from accumcheck.run.registry import get_backend
+from accumcheck.run.validation import configure
 
 STDLIB = {"argparse", "math", "os", "sys", "pathlib"}
 

@@ -4,8 +4,8 @@ A case names a model built from a small layer vocabulary, its input, its loss, i
 a seed and a default number of accumulation steps. Weights and batches come from numpy and the
 seed alone, so every backend gets bit-identical numbers and gradients can be compared across
 frameworks. Batches are generated on demand, one micro-step at a time, so memory never grows with
-the number of accumulation steps. Case files are read by ``accumcheck.casefile``; frameworks build
-the model through ``accumcheck.vocabulary``.
+the number of accumulation steps. Case files are read by ``accumcheck.case.reading``; frameworks build
+the model through ``accumcheck.case.layers``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AccumcheckError
-from .options import REDUCTIONS
+from ..errors import AccumcheckError
+from ..run.choices import REDUCTIONS
 
 LAYER_TYPES = (
     "block",

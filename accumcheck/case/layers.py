@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from .cases import Case, Layer
+from .definition import Case, Layer
 
 
 class LayerOps(Protocol):

@@ -13,10 +13,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .cases import ACTIVATIONS, LAYER_TYPES, Case, CaseError, InputSpec, Layer
-from .errors import AccumcheckError
-from .files import MAX_CASE_BYTES, read_text
-from .options import REDUCTIONS, SEED_LIMIT
+from ..errors import AccumcheckError
+from ..files import MAX_CASE_BYTES, read_text
+from ..run.choices import REDUCTIONS, SEED_LIMIT
+from .definition import ACTIVATIONS, LAYER_TYPES, Case, CaseError, InputSpec, Layer
 
 MAX_NESTING = 16  # blocks within blocks; the built-in cases nest 3 deep
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_-]+")

@@ -3,7 +3,7 @@
 - Per-parameter and per-layer gradient statistics (L2 norm, min, max, abs-max, share of the
   total sum of squares) for a few chosen layers (default: blocks 0, 1, n//2, -2, -1).
 - A drop-in for ``torch.nn.utils.clip_grad_norm_`` that keeps the per-parameter norms it computes
-  (``accumcheck.diagnostics.torch.GradMonitor``), and the Gluon equivalent.
+  (``accumcheck.torch.diagnostics.GradMonitor``), and the Gluon equivalent.
 - An anomaly trigger (clipping scale below a threshold, or a non-finite gradient) and a dominance
   report naming the parameters that dominate the gradient norm.
 - TensorBoard scalars through any writer with ``add_scalar`` (the standard SummaryWriter).

@@ -42,18 +42,22 @@ import random
 from typing import Any, Callable
 
 import numpy as np
-from mxnet import autograd
 
-from ...backend import StackWindow
-from ...casefile import resolve_case
-from ...cases import IGNORE_LABEL
-from ...errors import AccumcheckError, NothingJudgedError
-from ...judge.stack import Coverage, stack_report
-from ...options import stack_command
-from ...report import StackReport
-from .blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
-from .library import mx
-from .model import build_block
+try:
+    from mxnet import autograd
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, 'MXNet', "pip install 'accumcheck[mxnet]'") from None
+
+from ..case.definition import IGNORE_LABEL
+from ..case.reading import resolve_case
+from ..errors import AccumcheckError, NothingJudgedError
+from ..judge.stack import Coverage, stack_report
+from ..mxnet.blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
+from ..mxnet.library import mx
+from ..mxnet.model import build_block
+from ..options import stack_command
+from ..report import StackReport
+from ..run.results import StackWindow
 
 FAULTS = ("step-per-micro-batch", "loss-over-n")
 DTYPE = "float64"

@@ -27,16 +27,19 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import lightning.pytorch as pl
-import torch
+try:
+    import lightning.pytorch as pl
+    import torch
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, 'lightning and PyTorch', "pip install 'accumcheck[lightning]'") from None
 
-from ....casefile import resolve_case
-from ....errors import AccumcheckError, NothingJudgedError
-from ....judge.stack import stack_report
-from ....options import stack_command
-from ....report import StackReport
-from .cases import FAULTS, CaseLM, case_batches, window_items
-from .recorder import Float64Run, StackRecorder, float64_leaves
+from ..case.reading import resolve_case
+from ..errors import AccumcheckError, NothingJudgedError
+from ..judge.stack import stack_report
+from ..options import stack_command
+from ..report import StackReport
+from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
+from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves
 
 
 class AccumulationCheck(pl.Callback):

@@ -25,15 +25,20 @@ import sys
 import tempfile
 from typing import Any
 
-from ....cases import Case
-from ....errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
-from ....judge.stack import stack_report
-from ....options import stack_command
-from ....report import StackReport
-from .cases import CaseLM, case_examples
+from ..case.definition import Case
+from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
+from ..judge.stack import stack_report
+from ..options import stack_command
+from ..report import StackReport
+from . import missing
+
+try:
+    from ..torch.stacks.cases import CaseLM, case_examples
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, stack_library
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, "transformers, accelerate and PyTorch", "pip install 'accumcheck[transformers]'") from None
 
 FAULTS = ("micro-batch-mean", "loss-over-n")
-from .recorder import Float64Run, StackRecorder, stack_library
 
 
 def check(trainer: Any, steps: int | None = None) -> StackReport:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import enable_x64
 
-from ...backend import Progress
+from ..run.backend import Progress
 from .model import DTYPES
 from .multisteps import MultiStepsNative
 

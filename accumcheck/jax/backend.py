@@ -7,9 +7,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ...backend import Backend, Capabilities, Progress, RunResult
-from ...config import RunConfig
-from ...options import ACCUM_DTYPES, Option
+from ..options import Option
+from ..run.backend import Backend, Capabilities, Progress
+from ..run.choices import ACCUM_DTYPES
+from ..run.config import RunConfig
+from ..run.results import RunResult
 
 JIT = Option("jit", "jit", "JAX: jit-compile the gradient, the MultiSteps update and the manual add (default: on)",
              switch=True)

@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
-from ...vocabulary import run_layers
+from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ..case.layers import run_layers
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
 
 class JaxOps:
-    """The layer primitives (``accumcheck.vocabulary.LayerOps``) in jax.numpy, for one route
+    """The layer primitives (``accumcheck.case.layers.LayerOps``) in jax.numpy, for one route
     through the conditional layers (``gates``)."""
 
     def __init__(self, gates: tuple[bool, ...]) -> None:

@@ -28,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import enable_x64
 
-from ...backend import ParamAccumulation, Progress, RunResult
-from ...cases import infer_kind
-from ...errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
-from ...faults import parse_fault, resolve_fault
-from ...judge import build_report
-from ...report import Report
-from ...usermodel import Batch, batch_source, host_random_states
+from ..case.definition import infer_kind
+from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
+from ..judge import build_report
+from ..report import Report
+from ..run.backend import Progress
+from ..run.faults import parse_fault, resolve_fault
+from ..run.results import ParamAccumulation, RunResult
+from ..run.usermodel import Batch, batch_source, host_random_states
 from .accumulate import accumulate, host_float
 from .library import versions
 from .multisteps import harmonic_note, mean_allowance, settings

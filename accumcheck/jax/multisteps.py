@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...faults import Fault, FaultInjector
+from ..run.faults import Fault, FaultInjector
 from .library import optax
 
 
@@ -39,7 +39,7 @@ def to_bfloat16(value: Any) -> Any:
 
 class MultiStepsNative:
     """N calls of MultiSteps' update with the micro-gradients, as a user's loop makes them. A
-    fault perturbs what its target parameter's accumulator receives (``accumcheck.faults``)."""
+    fault perturbs what its target parameter's accumulator receives (``accumcheck.run.faults``)."""
 
     def __init__(self, params: dict[str, Any], accum_steps: int, grad_mean: bool, jit: bool,
                  fault: Fault | None = None) -> None:

@@ -14,10 +14,11 @@ import jax
 import numpy as np
 from jax.experimental import enable_x64
 
-from ...backend import ParamAccumulation, Progress, RunResult
-from ...cases import Case
-from ...config import RunConfig
-from ...errors import AccumcheckError
+from ..case.definition import Case
+from ..errors import AccumcheckError
+from ..run.backend import Progress
+from ..run.config import RunConfig
+from ..run.results import ParamAccumulation, RunResult
 from .accumulate import accumulate, host_float
 from .model import batch_arrays, case_params, grad_function
 from .multisteps import harmonic_note, mean_allowance

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import RunResult
 from ..bounds import UNIT_ROUNDOFF
 from ..report import Agreement, ForwardAgreement, OddOneOut
+from ..run.results import RunResult
 from .ratio import ratios_to, unravel
 
 FLOAT64_KERNEL_ALLOWANCE = 16.0

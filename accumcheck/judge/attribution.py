@@ -46,8 +46,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..bounds import SMALLEST_NORMAL, ModeBound, gamma
-from ..faults import round_to_bfloat16
 from ..report import Cause, TensorResult
+from ..run.faults import round_to_bfloat16
 
 # Per tensor, the chance that a correct accumulation is called suspicious under the model.
 FALSE_ALARM = 1e-6

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import ParamAccumulation, RankAccumulation
 from ..bounds import UNIT_ROUNDOFF, ModeBound
 from ..report import DataParallelResult, DataParallelSetup, RankVerdict, SingleProcessAgreement, TensorResult
+from ..run.results import ParamAccumulation, RankAccumulation
 from .ratio import worst_ratio
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import FullBatchGap
 from ..report import FullBatchResult
 from ..report.single import factor_text
+from ..run.results import FullBatchGap
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.

@@ -14,7 +14,7 @@ read by loops that vectorise (no division, no branch per element):
 
 A block holding a non-finite value is judged by the plain scalar loop. Every maximum is the exact
 maximum of its element-wise quotient (``max_i fl(d_i / b_i)``), the first index holding it, so
-another implementation (``accumcheck.frameworks.torch.judging``, on the device where the
+another implementation (``accumcheck.torch.judging``, on the device where the
 gradients live) computes the same figures bit for bit but for the sums' last bits.
 """
 

@@ -1,7 +1,7 @@
 """A training stack's optimizer steps judged: each step's applied gradient against its window as
 one batch (``accumcheck.judge.fullbatch``'s verdict and fingerprint), and the run's counts.
 
-A stack adapter (``accumcheck.frameworks.<name>.stacks``) runs the stack in float64, so the two
+A stack adapter (``accumcheck.integrations``) runs the stack in float64, so the two
 gradients are two summation orders of one sum and agree to ~1e-15 of their scale when the stack
 computes what one batch would; how the stack normalises and which micro-batches it steps on are
 what is left to differ.
@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..backend import FullBatchGap, StackWindow
 from ..errors import AccumcheckError, NothingJudgedError
 from ..report import StackReport, StackStep
+from ..run.results import FullBatchGap, StackWindow
 from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
 
 # The full-batch judge's sentences call A "accumulated" and F "full batch"; a stack's step applied A,

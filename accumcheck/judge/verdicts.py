@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import RunResult
 from ..bounds import UNIT_ROUNDOFF, ModeBound
-from ..cases import Case
+from ..case.definition import Case
 from ..errors import NothingJudgedError
-from ..faults import Fault
 from ..report import Report, TensorResult
+from ..run.faults import Fault
+from ..run.results import RunResult
 from ..version import __version__
 from . import dataparallel
 from .attribution import Examined, Replay

@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...backend import Progress
-from ...errors import AccumcheckError
-from ...faults import Fault, FaultInjector, round_to_bfloat16
+from ..errors import AccumcheckError
+from ..run.backend import Progress
+from ..run.faults import Fault, FaultInjector, round_to_bfloat16
 from .blockstate import materialised
 from .library import mx
 from .passes import StepFn, micro_steps, set_grad_req

@@ -7,12 +7,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ...backend import Backend, Capabilities, Progress, RunResult
-from ...budget import TensorNeed
-from ...config import RunConfig
-from ...errors import AccumcheckError
-from ...options import ACCUM_DTYPES, MODES, Option
-from ...report import TrajectoryReport
+from ..errors import AccumcheckError
+from ..options import Option
+from ..report import TrajectoryReport
+from ..run.backend import Backend, Capabilities, Progress
+from ..run.budget import TensorNeed
+from ..run.choices import ACCUM_DTYPES, MODES
+from ..run.config import RunConfig
+from ..run.results import RunResult
 
 HYBRIDIZE = Option("hybridize", "hybridize", "MXNet: hybridize(static_alloc=True) the Gluon block (default: on)",
                    switch=True)

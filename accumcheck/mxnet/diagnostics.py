@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
-from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ...diagnostics.tensorboard import ScalarWriter, WriterOwner
-from ...errors import AccumcheckError
-from ...options import positive_float, positive_int
+from ..diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
+from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
+from ..diagnostics.tensorboard import ScalarWriter, WriterOwner
+from ..errors import AccumcheckError
+from ..options import positive_float, positive_int
 from .hostcopy import HostCopy
 from .library import mx
 
@@ -141,7 +141,7 @@ def named_parameters(source: Any) -> list[tuple[str, Any]]:
 
 class GradMonitor(WriterOwner):
     """Per-layer gradient statistics, a drop-in ``gluon.utils.clip_global_norm``, and the
-    dominance report: accumcheck.diagnostics.torch.GradMonitor for Gluon.
+    dominance report: accumcheck.torch.diagnostics.GradMonitor for Gluon.
 
     ``source``: a Block, a ParameterDict, (name, Parameter) pairs or Parameters; parameters with
     grad_req='null' are left out. ``layers``: which layers to log ("all", indices over the

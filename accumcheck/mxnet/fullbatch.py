@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from ...backend import FullBatchGap, Progress, window_scale
-from ...cases import IGNORE_LABEL, Case
+from ..case.definition import IGNORE_LABEL, Case
+from ..run.backend import Progress
+from ..run.results import FullBatchGap, window_scale
 from .library import mx
 from .model import case_loss
 from .passes import case_step, micro_steps, native_pass, prepared

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
-from ...errors import AccumcheckError
-from ...vocabulary import run_layers
+from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ..case.layers import run_layers
+from ..errors import AccumcheckError
 from .library import mx
 
 
@@ -35,7 +35,7 @@ def _sanitize(name: str) -> str:
 
 
 class MXNetOps:
-    """The layer primitives (``accumcheck.vocabulary.LayerOps``) in ``F`` (mx.nd, or mx.sym when
+    """The layer primitives (``accumcheck.case.layers.LayerOps``) in ``F`` (mx.nd, or mx.sym when
     hybridized). Widths come from the case: under hybridize the parameters are symbols without
     shapes. ``gates`` is the 0/1 input that routes conditional branches; ``rank`` the number of
     axes of the activations."""

@@ -24,15 +24,16 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ...backend import FullBatchGap, ParamAccumulation, Progress, RunResult
-from ...cases import infer_kind
-from ...errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
-from ...faults import Fault, parse_fault, resolve_fault
-from ...judge import build_report
-from ...options import MODES, REDUCTIONS
-from ...report import Report
-from ...resources import check_resources, estimate_model
-from ...usermodel import (
+from ..case.definition import infer_kind
+from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
+from ..judge import build_report
+from ..report import Report
+from ..run.backend import Progress
+from ..run.choices import MODES, REDUCTIONS
+from ..run.faults import Fault, parse_fault, resolve_fault
+from ..run.resources import check_resources, estimate_model
+from ..run.results import FullBatchGap, ParamAccumulation, RunResult
+from ..run.usermodel import (
     Batch,
     apply_loss,
     batch_source,

@@ -9,9 +9,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...backend import FullBatchGap, Progress, window_scale
-from ...errors import USER_EXCEPTIONS, AccumcheckError
-from ...usermodel import join_batches, map_leaves, split_batch
+from ..errors import USER_EXCEPTIONS, AccumcheckError
+from ..run.backend import Progress
+from ..run.results import FullBatchGap, window_scale
+from ..run.usermodel import join_batches, map_leaves, split_batch
 from .blockstate import clear_cached_ops, layers_for_check, materialised, unique_params
 from .library import mx
 from .passes import manual_pass

@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from mxnet import autograd
 
-from ...backend import Progress
-from ...cases import Case
-from ...faults import Fault, FaultInjector, round_to_bfloat16
-from ..hostsums import add_step
+from ..case.definition import Case
+from ..judge.hostsums import add_step
+from ..run.backend import Progress
+from ..run.faults import Fault, FaultInjector, round_to_bfloat16
 from .library import mx
 from .model import build_block, case_loss
 

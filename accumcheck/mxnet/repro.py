@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
-from ...config import RunConfig
-from ...reprotext import FrameworkParts, SourceWriter, Var, attribute_names, params_source, script
-from ...vocabulary import run_layers
+from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ..case.layers import run_layers
+from ..repro.script import FrameworkParts, SourceWriter, Var, attribute_names, params_source, script
+from ..run.config import RunConfig
 
 _HELPERS = '''
 
@@ -49,7 +49,7 @@ def attention(F, x, heads, width, q, k, v, o=None):
 
 
 class _GluonCode:
-    """The layer primitives (``accumcheck.vocabulary.LayerOps``) as lines of Gluon code in ``F``."""
+    """The layer primitives (``accumcheck.case.layers.LayerOps``) as lines of Gluon code in ``F``."""
 
     def __init__(self, writer: SourceWriter, rank: int) -> None:
         self.w, self.rank = writer, rank

@@ -8,10 +8,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ...backend import ParamAccumulation, Progress, RunResult
-from ...budget import TensorNeed, element_bytes, need
-from ...cases import Case
-from ...config import RunConfig
+from ..case.definition import Case
+from ..run.backend import Progress
+from ..run.budget import TensorNeed, element_bytes, need
+from ..run.config import RunConfig
+from ..run.results import ParamAccumulation, RunResult
 from .accumulator import accumulator_pass
 from .fullbatch import full_batch_gap
 from .library import mx

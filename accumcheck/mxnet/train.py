@@ -18,11 +18,11 @@ from typing import Any
 
 from mxnet import gluon
 
-from ...backend import Progress
-from ...cases import Case
-from ...config import RunConfig
-from ...report import TrajectoryReport
-from ...trajectory import Trajectory
+from ..case.definition import Case
+from ..report import TrajectoryReport
+from ..run.backend import Progress
+from ..run.config import RunConfig
+from ..run.trajectory import Trajectory
 from .library import mx
 from .model import resolve_context
 from .passes import StepFn, case_step, manual_pass, native_pass, prepared

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..cases import Case
+from ..case.definition import Case
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult, TrajectoryReport
 from .fit import Col, Layout, command_lines, fitted
 from .legend import legend

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 
-from ..budget import budget_note
 from ..report import KIND_ORDER, MARGINAL_RATIO, CrossReport, Report, ReportDiff, StackReport, SweepReport, TensorResult
 from ..report.cross import OddOneOut
 from ..report.single import FullBatchResult, factor_text
+from ..run.budget import budget_note
 from .names import shown
 
 

@@ -8,14 +8,7 @@ from ..files import write_atomic
 from .cross import CROSS_VERDICTS, Agreement, CrossReport, ForwardAgreement, OddOneOut
 from .diff import ReportDiff, TensorChange, diff_reports
 from .files import KINDS, load_report, report_from_data
-from .single import (
-                     DataParallelResult,
-                     DataParallelSetup,
-                     FullBatchResult,
-                     RankVerdict,
-                     Report,
-                     SingleProcessAgreement,
-)
+from .single import DataParallelResult, DataParallelSetup, FullBatchResult, RankVerdict, Report, SingleProcessAgreement
 from .stack import STEP_VERDICTS, StackReport, StackStep
 from .sweep import SweepReport, growth_rows
 from .tensor import FLAGGED_VERDICTS, KIND_ORDER, MARGINAL_RATIO, SEVERITIES, VERDICTS, Cause, TensorResult

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..bounds import UNIT_ROUNDOFF
-from ..options import FAIL_ON
+from ..run.choices import FAIL_ON
 from .cross import CROSS_VERDICTS, Agreement, CrossReport, OddOneOut
 from .single import DataParallelResult, DataParallelSetup, FullBatchResult, Report
 from .stack import StackReport
@@ -424,7 +424,7 @@ def _trajectory(t: TrajectoryReport, where: Where) -> None:
         for key, step in getattr(t, field).items():
             if step >= t.steps:
                 _fail(where, field, (key,), problem=f"step {step} of a run of {t.steps}")
-    # ``accumcheck.trajectory``: a tensor past its band is named in first_out_of_band at that step or
+    # ``accumcheck.run.trajectory``: a tensor past its band is named in first_out_of_band at that step or
     # before, and a nan is a non-finite loss or parameter, or a step not run after one.
     first = min(t.first_out_of_band.values(), default=t.steps)
     for kind, values in t.band_ratio.items():

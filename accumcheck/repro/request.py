@@ -4,7 +4,7 @@ The script (written by the framework's backend, ``Backend.repro_source``) import
 framework and numpy; its data goes beside it as FILE.npz: the case's initial weights
 (``weights/NAME``) and every micro-batch (``inputs/K``, ``labels/K`` and ``gates/K``, whether
 micro-batch K takes each conditional branch). With ``--shrink`` the smallest case that still
-shows the finding goes beside them as FILE.toml (``accumcheck.shrink``). This module is the
+shows the finding goes beside them as FILE.toml (``accumcheck.repro.shrink``). This module is the
 framework-free part: what may be written, where, and the data.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Backend
-from .cases import Case
-from .config import RunConfig
-from .errors import AccumcheckError
-from .files import check_output_file, check_replaceable, write_atomic
-from .registry import backend_names, get_backend
-from .reprotext import check_fault_kind
+from ..case.definition import Case
+from ..errors import AccumcheckError
+from ..files import check_output_file, check_replaceable, write_atomic
+from ..run.backend import Backend
+from ..run.config import RunConfig
+from ..run.registry import backend_names, get_backend
+from .script import check_fault_kind
 
 SUFFIX = ".py"
 

@@ -1,10 +1,10 @@
 """The parts of a reproduction script (``accumcheck compare --repro``) that every framework shares:
 its docstring and constants, the injected fault's lines, the judging against the round-off bound
-and ``main``. A framework's generator (``accumcheck.frameworks.<name>.repro``) writes the model,
+and ``main``. A framework's generator (``accumcheck.<framework>.repro``) writes the model,
 the loss and the two passes, and ``script`` puts the parts together.
 
 Everything here is text: the script imports the framework and numpy alone. The model is written
-out by walking the case's layers (``accumcheck.vocabulary.run_layers``) with stand-ins for
+out by walking the case's layers (``accumcheck.case.layers.run_layers``) with stand-ins for
 tensors (``Var``) that write one line of code per primitive (``SourceWriter``), so the script's
 model has exactly the layers, names and order of accumcheck's own.
 """
@@ -16,11 +16,12 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .cases import Case
-from .config import RunConfig
-from .errors import AccumcheckError
-from .faults import ROUNDOFF_BLOCK, SCALE_FACTOR, Fault
-from .options import FAULT_KINDS, command_line
+from ..case.definition import Case
+from ..errors import AccumcheckError
+from ..options import command_line
+from ..run.choices import FAULT_KINDS
+from ..run.config import RunConfig
+from ..run.faults import ROUNDOFF_BLOCK, SCALE_FACTOR, Fault
 
 # ----------------------------------------------------------------------------- writing code
 
@@ -78,7 +79,7 @@ def params_source(attrs: dict[str, str]) -> str:
 
 # ----------------------------------------------------------------------------- the injected fault
 
-# Each fault kind of accumcheck.faults as the lines of ``contribution(k, grad, total)``: what the
+# Each fault kind of accumcheck.run.faults as the lines of ``contribution(k, grad, total)``: what the
 # native accumulation adds at micro-step k instead of ``grad`` (``total``: the running total
 # before it, None at k = 0). bf16 also rounds the total after every micro-step (``after_add``).
 _CONTRIBUTIONS: dict[str, Callable[[Fault, int], list[str]]] = {

@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .casefile import parse_case
-from .cases import Case, CaseError
-from .errors import AccumcheckError
+from ..case.definition import Case, CaseError
+from ..case.reading import parse_case
+from ..errors import AccumcheckError
 
 MAX_TRIALS = 48  # runs a shrink may spend
 MIN_STEPS = 2  # below it no running total exists for a fault (or a bug) to act on

@@ -1,11 +1,11 @@
-"""What a framework backend is to the rest of accumcheck: what it declares it can do, the run it
-performs, and the plain arrays it hands back.
+"""What a framework backend is to the rest of accumcheck: what it declares it can do and the run it
+performs (what the run hands back is ``accumcheck.run.results``).
 
 Rules: a backend module imports its framework inside its methods, never at module top, so that
 finding and listing backends stays cheap and a missing framework is one AccumcheckError saying how
 to install it. A backend declares its Capabilities once; every option a backend cannot honour is
-refused centrally (``accumcheck.validation.configure``) before it runs, naming the backend and the option.
-Backends are found through the ``accumcheck.backends`` entry-point group (``accumcheck.registry``).
+refused centrally (``accumcheck.run.validation.configure``) before it runs, naming the backend and the option.
+Backends are found through the ``accumcheck.backends`` entry-point group (``accumcheck.run.registry``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..case.definition import LAYER_TYPES
+from ..errors import AccumcheckError
+from ..options import Option
+from ..report import TrajectoryReport
 from .budget import TensorNeed
-from .cases import LAYER_TYPES
+from .choices import ACCUM_DTYPES
 from .config import RunConfig
-from .errors import AccumcheckError
-from .options import ACCUM_DTYPES, Option
-from .report import DataParallelSetup, TrajectoryReport
+from .results import RunResult
 
 # Called after each micro-step with (phase, steps done, steps in this phase).
 Progress = Callable[[str, int, int], None]
@@ -62,103 +64,6 @@ class Capabilities:
         return bool(allowed) or value == option.default
 
 
-@dataclass
-class ParamAccumulation:
-    """One parameter after N micro-steps.
-
-    native  A: the framework's own accumulation      manual  B: zero/write + add into a buffer
-    exact   E: float64 sum of the same micro-grads    absum   S: float64 sum of their magnitudes
-    oracle  O: the same accumulation with the whole model in float64 (optional)
-    """
-
-    name: str
-    kind: str
-    native: np.ndarray
-    manual: np.ndarray
-    exact: np.ndarray
-    absum: np.ndarray
-    oracle: np.ndarray | None = None
-    # Data parallel: the same accumulation in one process over the same global micro-batches
-    # (divided by the number of ranks, as DistributedDataParallel averages).
-    reference: np.ndarray | None = None
-    # A user's own model: the parameter's dtype where it is not the run's ``param_dtype`` (its
-    # native bound is then its own), its other names when tied, and in how many micro-steps it
-    # received a gradient (None: all).
-    dtype: str | None = None
-    aliases: tuple[str, ...] = ()
-    steps_with_grad: int | None = None
-    # Arrays judged where they live (a GPU): the backend's reduction of the four, ``statistics.Reducer``;
-    # the array fields are then read only for the figures it does not give.
-    reducer: Any = None
-
-
-@dataclass
-class RankAccumulation:
-    """One rank of a data-parallel run, every dict keyed by parameter name.
-
-    local_native  the rank's own native total (N micro-steps, no synchronisation) just before
-                  the all-reduce
-    exact, absum  the rank's E and S (float64 sums of its micro-gradients and their magnitudes)
-    native        the rank's gradient after the all-reduce (every rank should hold the same)
-    """
-
-    rank: int
-    host: str
-    local_native: dict[str, np.ndarray]
-    exact: dict[str, np.ndarray]
-    absum: dict[str, np.ndarray]
-    native: dict[str, np.ndarray]
-
-
-def window_scale(normalisation: str, accum_steps: int) -> tuple[float, str]:
-    """What training code multiplies the accumulated sum by, as a number and as the report says it:
-    1/N for a "mean" loss (each micro-batch's mean loss divided by N); 1 for "sum" and "token_count"."""
-    return (1.0 / accum_steps, "1/N") if normalisation == "mean" else (1.0, "1")
-
-
-@dataclass
-class FullBatchGap:
-    """The accumulated gradient and the whole batch's in one backward pass, both in float64, per
-    parameter name: the judge (``accumcheck.judge.fullbatch``) says how they differ."""
-
-    normalisation: str
-    accumulated_scaled_by: str  # "1/N" for a mean loss, else "1"
-    accumulated: dict[str, np.ndarray]  # already scaled
-    full: dict[str, np.ndarray]
-    item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
-    predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
-
-
-@dataclass
-class RunResult:
-    """What a backend hands back: per-parameter accumulations as numpy arrays, and the facts of
-    the run. ``settings`` are the backend's own facts (kept in the report), ``notes`` the ones a
-    reader is told in the header."""
-
-    params: list[ParamAccumulation]
-    framework: str
-    versions: dict[str, str]
-    device: str
-    param_dtype: str
-    accum_dtype: str
-    # Allowance (in units of u, see bounds.ModeBound) where the native path's kernels add into the
-    # running total themselves and so compute micro-gradients differently from the manual path.
-    native_kernel_allowance: float = 0.0
-    losses: dict[str, float] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    # Logits of micro-batch 0 in the manual pass, to compare forward passes across frameworks.
-    first_logits: np.ndarray | None = None
-    full_batch: FullBatchGap | None = None
-    # Data parallel: each rank's own view (rank order), and how the run was set up.
-    ranks: list[RankAccumulation] | None = None
-    data_parallel: DataParallelSetup | None = None
-    # With a loss scaler (GradScaler), the scale the micro-gradients were computed with (the
-    # arrays above are already divided by it): a tensor whose micro-gradients overflowed is then
-    # a skipped optimizer step, not a fault.
-    grad_scale: float | None = None
-
-
 class Backend(ABC):
     """A framework that can build a Case and accumulate its gradients natively and by hand."""
 
@@ -189,7 +94,7 @@ class Backend(ABC):
 
     def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
         """What each tensor of ``config``'s case needs beside the model while its group runs and
-        is judged (``accumcheck.budget``), in canonical order, where ``capabilities.memory_budget``
+        is judged (``accumcheck.run.budget``), in canonical order, where ``capabilities.memory_budget``
         says the backend runs groups."""
         raise AccumcheckError(f"--memory-budget: the {self.name} backend runs no groups of tensors")
 
@@ -236,23 +141,9 @@ class Backend(ABC):
                      data_name: str = "repro.npz", shrunk_from: str | None = None) -> str:
         """The source of a standalone script that reproduces ``config``'s run of a case with this
         framework and numpy alone (``accumcheck compare --repro``), reading its data from
-        ``data_name`` beside it (``accumcheck.repro.case_arrays``); ``report`` is the run's
+        ``data_name`` beside it (``accumcheck.repro.request.case_arrays``); ``report`` is the run's
         Report, whose verdicts it quotes. ``shrunk_from`` names the case a shrunk one came from."""
         raise AccumcheckError(f"--repro: the {self.name} backend writes no reproduction scripts")
-
-
-@dataclass
-class StackWindow:
-    """One optimizer step of a training stack: the gradient its optimizer was about to apply and
-    the gradient of the same window's micro-batches as one batch, both in float64, per parameter
-    name (``accumcheck.judge.stack`` says how they differ)."""
-
-    step: int  # the optimizer step, counted from 0
-    micro_batches: list[int]  # the run's micro-batch indices (from 0) in this window, in order
-    applied: dict[str, np.ndarray]
-    window: dict[str, np.ndarray]
-    item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
-    predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
 
 
 def _first_leaf(tree: Any, depth: int = 0) -> Any:

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .errors import AccumcheckError
-from .files import size_text
+from ..errors import AccumcheckError
+from ..files import size_text
 
 FIXED_BYTES = 128 * 2**20
 # What a group holds, counted a quarter above what is live: glibc raises its mmap threshold to the

@@ -1,4 +1,4 @@
-"""The run configuration: a frozen, typed RunConfig, made by ``accumcheck.validation.configure`` from the
+"""The run configuration: a frozen, typed RunConfig, made by ``accumcheck.run.validation.configure`` from the
 options ``accumcheck.options`` specifies. A report keeps ``RunConfig.record()``, from which
 ``options.command_line`` rebuilds the command that reruns it.
 """
@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .cases import Case
+from ..case.definition import Case
+from ..options import RUN_OPTIONS
 from .faults import Fault
-from .options import RUN_OPTIONS
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One comparison, validated and resolved (``accumcheck.validation.configure`` builds it): the case with
+    """One comparison, validated and resolved (``accumcheck.run.validation.configure`` builds it): the case with
     its seed and loss normalisation applied, the number of micro-steps, the fault aimed at its
     tensor and micro-step, and every option. ``backend_options`` holds the backend's own options
     that were given (name, value). Frozen: it travels unchanged to each backend and rank."""

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import AccumcheckError
-from .options import FAULT_KINDS
+from ..errors import AccumcheckError
+from .choices import FAULT_KINDS
 
 SCALE_FACTOR = 1.0 + 1e-3
 ROUNDOFF_BLOCK = 4

@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
-from .errors import AccumcheckError
+from ..errors import AccumcheckError
 
 # torchrun sets these for every rank; together they are what env:// rendezvous needs.
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -11,9 +11,9 @@ import importlib.metadata
 import tomllib
 from pathlib import Path
 
+from ..errors import AccumcheckError
+from ..options import Option
 from .backend import Backend
-from .errors import AccumcheckError
-from .options import Option
 
 ENTRY_POINT_GROUP = "accumcheck.backends"
 
@@ -43,7 +43,7 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 def _declared_in_checkout() -> dict[str, importlib.metadata.EntryPoint]:
     """accumcheck's own backends as its pyproject.toml declares them, beside the package."""
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not pyproject.is_file():
         return {}
     declared = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {})

@@ -39,9 +39,9 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cases import Case
-from .errors import AccumcheckError
-from .files import size_text
+from ..case.definition import Case
+from ..errors import AccumcheckError
+from ..files import size_text
 
 BYTES_PER_PARAMETER = 64
 BYTES_PER_ORACLE_PARAMETER = 24  # a float64 copy of the model, its gradient, and its result

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from .backend import Backend
-from .errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from .registry import backend_names, get_backend
 
 DEFAULT_FUNCTION = "accumcheck_setup"

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..report import TrajectoryReport
 from .faults import Fault
-from .report import TrajectoryReport
 
 
 class Trajectory:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
+from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 
 Batch = Any
 MAX_UNCOUNTED_BATCHES = 4096  # an iterable read to its end without accum_steps: at most this many

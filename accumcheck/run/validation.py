@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..case.definition import Case
+from ..case.reading import resolve_case
+from ..errors import AccumcheckError
+from ..files import check_output_folder, size_text
+from ..options import OPTIONS_BY_NAME, RUN_OPTIONS, Option
 from .backend import Backend
 from .budget import UNBUDGETED
-from .casefile import resolve_case
-from .cases import Case
 from .config import RunConfig
-from .errors import AccumcheckError
 from .faults import Fault, parse_fault, resolve_fault
-from .files import check_output_folder, size_text
 from .launch import launched_world_size
-from .options import OPTIONS_BY_NAME, RUN_OPTIONS, Option
 from .registry import backend_names, backend_options, default_backend, get_backend
 from .resources import check_resources, estimate
 

@@ -4,13 +4,15 @@ train``, gradient diagnostics. Public as ``accumcheck.torch``:
     import accumcheck.torch
     report = accumcheck.torch.check(model, loss_fn, batches, accum_steps=16)
     acc = accumcheck.torch.GradAccumulator(model, compensated=True)
+    monitor = accumcheck.torch.GradMonitor(model, writer="runs/x")   # gradient diagnostics
 
-Importing this package does not import PyTorch; using ``check`` or ``GradAccumulator`` does.
+Importing this package does not import PyTorch; using ``check``, ``GradMonitor`` or ``GradAccumulator``
+does.
 """
 
 from typing import Any
 
-__all__ = ["GradAccumulator", "check"]
+__all__ = ["GradAccumulator", "GradMonitor", "check"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from .model_check import check
 
         return check
+    if name == "GradMonitor":
+        from .diagnostics import GradMonitor
+
+        return GradMonitor
     if name == "GradAccumulator":
         from .accumulator import GradAccumulator
 

@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ...backend import Progress
-from ...cases import Case
-from ...errors import USER_EXCEPTIONS, AccumcheckError
-from ...faults import Fault, FaultInjector
-from ..hostsums import add_held, add_step
+from ..case.definition import Case
+from ..errors import USER_EXCEPTIONS, AccumcheckError
+from ..judge.hostsums import add_held, add_step
+from ..run.backend import Progress
+from ..run.faults import Fault, FaultInjector
 from .accumulator import GradAccumulator
 from .model import case_loss, to_inputs
 

@@ -9,11 +9,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ...backend import Backend, Capabilities, Progress, RunResult
-from ...budget import TensorNeed
-from ...config import RunConfig
-from ...options import DTYPES, MODES
-from ...report import TrajectoryReport
+from ..report import TrajectoryReport
+from ..run.backend import Backend, Capabilities, Progress
+from ..run.budget import TensorNeed
+from ..run.choices import DTYPES, MODES
+from ..run.config import RunConfig
+from ..run.results import RunResult
 
 
 class TorchBackend(Backend):

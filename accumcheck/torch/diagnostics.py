@@ -35,11 +35,11 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-from ...diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
-from ...diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ...diagnostics.tensorboard import ScalarWriter, WriterOwner
-from ...errors import AccumcheckError
-from ...options import positive_float, positive_int
+from ..diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
+from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
+from ..diagnostics.tensorboard import ScalarWriter, WriterOwner
+from ..errors import AccumcheckError
+from ..options import positive_float, positive_int
 
 LOG = logging.getLogger("accumcheck.diagnostics")
 

@@ -49,12 +49,13 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ...backend import ParamAccumulation, Progress, RankAccumulation, RunResult
-from ...cases import Case
-from ...config import RunConfig
-from ...errors import AccumcheckError
-from ...launch import launched_world_size, raise_pending
-from ...report import DataParallelSetup
+from ..case.definition import Case
+from ..errors import AccumcheckError
+from ..report import DataParallelSetup
+from ..run.backend import Progress
+from ..run.config import RunConfig
+from ..run.launch import launched_world_size, raise_pending
+from ..run.results import ParamAccumulation, RankAccumulation, RunResult
 from .accumulate import accumulate, case_sums
 from .model import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
 

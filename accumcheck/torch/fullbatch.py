@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...backend import FullBatchGap, Progress, window_scale
-from ...cases import IGNORE_LABEL, Case
+from ..case.definition import IGNORE_LABEL, Case
+from ..run.backend import Progress
+from ..run.results import FullBatchGap, window_scale
 from .accumulate import case_sums
 from .model import build_model, case_loss, to_inputs, to_numpy
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...judge.kernel import Reduction, combine
+from ..judge.kernel import Reduction, combine
 from .model import to_numpy
 
 SLICE = 1 << 24  # elements reduced at once: a few float64 temporaries of 128 MiB at most

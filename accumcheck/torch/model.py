@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
-from ...errors import AccumcheckError
-from ...vocabulary import run_layers
+from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ..case.layers import run_layers
+from ..errors import AccumcheckError
 
 
 def resolve_device(device: str) -> torch.device:
@@ -84,7 +84,7 @@ def isolated(device: torch.device) -> Any:
 
 
 class TorchOps:
-    """The layer primitives (``accumcheck.vocabulary.LayerOps``) for one micro-batch, whose
+    """The layer primitives (``accumcheck.case.layers.LayerOps``) for one micro-batch, whose
     conditional branches are taken where ``gates`` says."""
 
     def __init__(self, gates: list[bool]) -> None:

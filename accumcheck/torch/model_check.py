@@ -30,17 +30,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ...backend import ParamAccumulation, Progress, RunResult
-from ...budget import FIXED_BYTES, checked_budget, minimum, plan
-from ...cases import infer_kind
-from ...errors import USER_EXCEPTIONS, AccumcheckError
-from ...faults import parse_fault, resolve_fault
-from ...files import size_text
-from ...judge import Judge, build_report
-from ...options import MODES, REDUCTIONS
-from ...report import Report
-from ...resources import check_resources, estimate_model
-from ...usermodel import Batch, batch_source, host_random_states
+from ..case.definition import infer_kind
+from ..errors import USER_EXCEPTIONS, AccumcheckError
+from ..files import size_text
+from ..judge import Judge, build_report
+from ..report import Report
+from ..run.backend import Progress
+from ..run.budget import FIXED_BYTES, checked_budget, minimum, plan
+from ..run.choices import MODES, REDUCTIONS
+from ..run.faults import parse_fault, resolve_fault
+from ..run.resources import check_resources, estimate_model
+from ..run.results import ParamAccumulation, RunResult
+from ..run.usermodel import Batch, batch_source, host_random_states
 from .accumulate import accumulate
 from .judging import device_arrays, judged_on_device
 from .model import deterministic, isolated, to_numpy

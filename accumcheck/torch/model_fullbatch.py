@@ -8,8 +8,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...backend import FullBatchGap, Progress, window_scale
-from ...errors import USER_EXCEPTIONS, AccumcheckError
+from ..errors import USER_EXCEPTIONS, AccumcheckError
+from ..run.backend import Progress
+from ..run.results import FullBatchGap, window_scale
 from .accumulate import accumulate
 from .model import to_numpy
 from .userbatch import backward_error, item_count, join, micro_loss, to_device

@@ -1,4 +1,4 @@
-"""What a PyTorch run holds beside the model per tensor (``accumcheck.budget``): the StepRecorder's
+"""What a PyTorch run holds beside the model per tensor (``accumcheck.run.budget``): the StepRecorder's
 manual buffer, E and S, its flat step buffer and the micro-gradients it keeps until the step is
 added, and the host copies the judge reads where it cannot read the tensors themselves. (A run
 under a budget holds no steps: ``accumulate``'s ``hold_steps``.)"""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...budget import TensorNeed, element_bytes, need
-from ...config import RunConfig
+from ..run.budget import TensorNeed, element_bytes, need
+from ..run.config import RunConfig
 
 _SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 

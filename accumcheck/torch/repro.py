@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...cases import IGNORE_LABEL, LAYERNORM_EPS, Case
-from ...config import RunConfig
-from ...reprotext import FrameworkParts, SourceWriter, Var, attribute_names, params_source, script
-from ...vocabulary import run_layers
+from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
+from ..case.layers import run_layers
+from ..repro.script import FrameworkParts, SourceWriter, Var, attribute_names, params_source, script
+from ..run.config import RunConfig
 
 _ACTIVATIONS = {"relu": "torch.relu", "tanh": "torch.tanh", "gelu": "F.gelu"}
 
@@ -34,7 +34,7 @@ def attention(x, heads, width, q, k, v, o=None):
 
 
 class _TorchCode:
-    """The layer primitives (``accumcheck.vocabulary.LayerOps``) as lines of PyTorch code."""
+    """The layer primitives (``accumcheck.case.layers.LayerOps``) as lines of PyTorch code."""
 
     def __init__(self, writer: SourceWriter) -> None:
         self.w = writer

@@ -8,9 +8,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ...backend import ParamAccumulation, Progress, RunResult
-from ...cases import Case
-from ...config import RunConfig
+from ..case.definition import Case
+from ..run.backend import Progress
+from ..run.config import RunConfig
+from ..run.results import ParamAccumulation, RunResult
 from .accumulate import case_sums
 from .fullbatch import full_batch_gap
 from .judging import device_arrays, judged_on_device

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...backend import Progress
-from ...config import RunConfig
-from ...report import TrajectoryReport
-from ...trajectory import Trajectory
+from ..report import TrajectoryReport
+from ..run.backend import Progress
+from ..run.config import RunConfig
+from ..run.trajectory import Trajectory
 from .accumulate import accumulate
 from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 

@@ -1,5 +1,5 @@
 """A user's micro-batch on its way to a loss: moved to the model's device, met with the model as
-the user's loop does (``accumcheck.usermodel``), and, for the full-batch check, N of them joined
+the user's loop does (``accumcheck.run.usermodel``), and, for the full-batch check, N of them joined
 into one."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
-from ...usermodel import apply_loss, call_model, join_batches, map_leaves, model_error, own_loss, split_batch
+from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
+from ..run.usermodel import apply_loss, call_model, join_batches, map_leaves, model_error, own_loss, split_batch
 
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face models skip
 

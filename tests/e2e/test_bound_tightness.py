@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from conftest import installed_backend, linear_case
 
-from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
+from accumcheck.run.backend import Backend, Capabilities
+from accumcheck.run.results import ParamAccumulation, RunResult
 
 CASE = linear_case("handmade", seed=0, accum_steps=16)
 

@@ -160,7 +160,7 @@ def test_a_missing_framework_says_how_to_install_it(monkeypatch):
     import importlib.util
 
     import accumcheck
-    from accumcheck.registry import get_backend
+    from accumcheck.run.registry import get_backend
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mxnet" else real(name, *a))

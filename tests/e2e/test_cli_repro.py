@@ -8,8 +8,8 @@ import sys
 import pytest
 from conftest import needs_torch, run_cli
 
-from accumcheck.casefile import builtin_case, load_case
-from accumcheck.shrink import size
+from accumcheck.case.reading import builtin_case, load_case
+from accumcheck.repro.shrink import size
 
 
 def run_cli_script(path):

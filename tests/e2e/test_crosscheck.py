@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 import accumcheck
-from accumcheck.casefile import builtin_case, builtin_case_names
+from accumcheck.case.reading import builtin_case, builtin_case_names
 
 pytest.importorskip("torch")
 mx = pytest.importorskip("mxnet")

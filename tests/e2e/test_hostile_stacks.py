@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from hostile import Refused, Verdict, assert_outcome
 
-import accumcheck.resources
-from accumcheck.cases import Case
+import accumcheck.run.resources
+from accumcheck.case.definition import Case
 from accumcheck.cli import main
 from accumcheck.errors import AccumcheckError, NothingJudgedError
 
@@ -91,7 +91,7 @@ TOO_LARGE = [
 @pytest.mark.parametrize("row, expected", TOO_LARGE, ids=[row for row, _ in TOO_LARGE])
 def test_a_stack_run_that_cannot_fit_is_refused_in_one_line_with_its_estimate_before_any_work(
         row, expected, place, capsys, monkeypatch):
-    monkeypatch.setattr(accumcheck.resources, "available_memory", lambda: AVAILABLE)
+    monkeypatch.setattr(accumcheck.run.resources, "available_memory", lambda: AVAILABLE)
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run began: the case's model was built or a micro-batch drawn")
@@ -110,8 +110,8 @@ def test_a_stack_run_that_cannot_fit_is_refused_in_one_line_with_its_estimate_be
 def test_the_estimate_grows_with_what_the_run_holds():
     """The stack's estimate, beside compare's: more micro-batches hold more data and more steps'
     gradients, a larger N a larger window as one batch; the time floor grows with M."""
-    from accumcheck.casefile import resolve_case
-    from accumcheck.resources import estimate_stack
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.run.resources import estimate_stack
 
     case = resolve_case("padded-tokens")
     small, long, wide = estimate_stack(case, 4, 10), estimate_stack(case, 4, 1000), estimate_stack(case, 400, 1000)
@@ -123,7 +123,7 @@ def test_the_estimate_grows_with_what_the_run_holds():
 
 @needs("mxnet")
 def test_force_runs_what_the_estimate_refuses(capsys, monkeypatch):
-    monkeypatch.setattr(accumcheck.resources, "available_memory", lambda: 1024)
+    monkeypatch.setattr(accumcheck.run.resources, "available_memory", lambda: 1024)
     argv = ["stack", "--stack", "gluon", "--accum-steps", "2", "--batches", "4"]
     assert_outcome(Refused("--case padded-tokens: the run would hold about"), *run(argv, capsys))
     assert_outcome(Verdict(0, "FAITHFUL"), *run([*argv, "--force"], capsys))
@@ -142,14 +142,14 @@ FITTING = [
 
 @pytest.mark.parametrize("row, expected", FITTING)
 def test_a_stack_run_that_fits_gets_its_verdict(row, expected, capsys, monkeypatch):
-    monkeypatch.setattr(accumcheck.resources, "available_memory", lambda: AVAILABLE)
+    monkeypatch.setattr(accumcheck.run.resources, "available_memory", lambda: AVAILABLE)
     assert_outcome(expected, *run(row.split(), capsys))
 
 
 def test_the_fixture_reports_a_refused_stack_run_as_an_error(pytester):
     pytester.makeconftest("""
-        import accumcheck.resources
-        accumcheck.resources.available_memory = lambda: 16 * 2**30
+        import accumcheck.run.resources
+        accumcheck.run.resources.available_memory = lambda: 16 * 2**30
     """)
     pytester.makepyfile("""
         def test_long_run(accum_stack):
@@ -318,8 +318,8 @@ def test_accelerate_a_real_loop_still_gets_its_verdict(scale, code, summary):
 def case_trainer(tmp_path, **overrides):
     import transformers
 
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.torch.stacks.cases import CaseLM, case_examples
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.torch.stacks.cases import CaseLM, case_examples
 
     case = resolve_case("padded-tokens")
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=case.input.batch_size,
@@ -348,7 +348,7 @@ def test_transformers_a_trainer_with_no_epoch_judged_nothing(tmp_path, steps):
 @needs("torch", "transformers", "accelerate")
 @pytest.mark.parametrize("fault, code", [(None, 0), ("loss-over-n", 1)])
 def test_transformers_a_real_trainer_still_gets_its_verdict(fault, code):
-    from accumcheck.casefile import resolve_case
+    from accumcheck.case.reading import resolve_case
     from accumcheck.integrations.transformers import run_case
 
     report = run_case(resolve_case("padded-tokens"), N, 2 * N, fault)
@@ -369,9 +369,9 @@ def fit(check, module, batches, **settings):
 
 
 def case_module():
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.torch.stacks.cases import CaseLM, case_batches, window_items
-    from accumcheck.frameworks.torch.stacks.lightning import CaseModule
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.integrations.lightning import CaseModule
+    from accumcheck.torch.stacks.cases import CaseLM, case_batches, window_items
 
     case = resolve_case("padded-tokens")
     batches = case_batches(case, 2 * N)

@@ -11,7 +11,7 @@ import pytest
 from conftest import needs_torch
 from rich.cells import cell_len
 
-from accumcheck.casefile import builtin_cases
+from accumcheck.case.reading import builtin_cases
 
 WIDTHS = (80, 100, 120)
 CASE = "embed-attention"  # the default case

@@ -82,7 +82,7 @@ def test_default_runs_every_builtin_case_at_its_own_steps(pytester):
         def test_case(accum_case, accum_steps):
             assert accum_steps is None
     """)
-    from accumcheck.casefile import builtin_case_names
+    from accumcheck.case.reading import builtin_case_names
 
     result = pytester.runpytest("-q")
     assert len(builtin_case_names()) == 6

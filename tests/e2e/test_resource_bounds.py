@@ -109,14 +109,14 @@ def test_force_runs_past_the_estimate(tmp_path):
     env_limit = 1024  # a 1 KiB "machine": every run is refused without --force
 
     code = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        import accumcheck.resources as r
+        import accumcheck.run.resources as r
         r.available_memory = lambda: {env_limit}
         from accumcheck.cli import main
         raise SystemExit(main(["compare", "--case", {small!r}, "--accum-steps", "2"]))
     """)], capture_output=True, text=True)
     assert code.returncode == 2 and "of memory is available" in code.stderr, code.stderr
     forced = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        import accumcheck.resources as r
+        import accumcheck.run.resources as r
         r.available_memory = lambda: {env_limit}
         from accumcheck.cli import main
         raise SystemExit(main(["compare", "--case", {small!r}, "--accum-steps", "2", "--force"]))
@@ -146,9 +146,9 @@ def test_an_endless_iterable_of_batches_is_read_only_as_far_as_needed(tmp_path):
 def test_an_endless_iterable_without_accum_steps_is_refused():
     import itertools
 
-    import accumcheck.torch
     import torch
 
+    import accumcheck.torch
     from accumcheck import AccumcheckError
 
     model = torch.nn.Linear(4, 2)

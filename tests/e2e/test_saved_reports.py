@@ -16,10 +16,10 @@ from conftest import run_cli
 from accumcheck.api import run
 from accumcheck.cli import build_parser
 from accumcheck.options import RUN_OPTIONS
-from accumcheck.registry import get_backend
 from accumcheck.render import FORMATS, render
 from accumcheck.report import CrossReport, Report, SweepReport, load_report
-from accumcheck.validation import configure
+from accumcheck.run.registry import get_backend
+from accumcheck.run.validation import configure
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reports-0.1.0"
 NAMES = ("torch-double-step", "cross", "data-parallel", "full-batch", "mxnet-imperative")

@@ -14,14 +14,14 @@ import pytest
 from conftest import run_cli
 
 import accumcheck
-from accumcheck import registry
 from accumcheck.assertions import failure_message
 from accumcheck.render import FORMATS, render
 from accumcheck.report import CrossReport, load_report
+from accumcheck.run import registry
 
 pytest.importorskip("torch")
 
-from accumcheck.frameworks.torch.backend import TorchBackend  # noqa: E402
+from accumcheck.torch.backend import TorchBackend  # noqa: E402
 
 CASE, TENSOR = "shared-weight", "shared.weight"
 SENTENCE = f"odd disagrees with torch and twin on {TENSOR} (worst ratio "

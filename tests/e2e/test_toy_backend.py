@@ -13,9 +13,10 @@ import pytest
 from conftest import installed_backend, linear_case, unwrapped
 
 import accumcheck
-from accumcheck.backend import Backend, Capabilities, ParamAccumulation, RunResult
 from accumcheck.errors import AccumcheckError
-from accumcheck.faults import FaultInjector, round_to_bfloat16
+from accumcheck.run.backend import Backend, Capabilities
+from accumcheck.run.faults import FaultInjector, round_to_bfloat16
+from accumcheck.run.results import ParamAccumulation, RunResult
 
 CASE = linear_case("toy-linear", seed=3, accum_steps=8)
 
@@ -120,7 +121,7 @@ def test_the_pytest_plugin_runs_it(toy, pytester, monkeypatch):
 
 
 def test_the_python_api_runs_it(toy, monkeypatch):
-    from accumcheck import registry
+    from accumcheck.run import registry
 
     monkeypatch.setattr(registry, "_registered", {})
     monkeypatch.setattr(registry, "_instances", {})

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from accumcheck.backend import ParamAccumulation, RunResult
 from accumcheck.judge.agreement import FLOAT64_KERNEL_ALLOWANCE, agreement, forward_agreement, ordered_bits
+from accumcheck.run.results import ParamAccumulation, RunResult
 
 F32 = np.float32
 U = 2.0**-24

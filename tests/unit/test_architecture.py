@@ -1,15 +1,16 @@
 """The house's rules, read from the source: imports run one way, and only the framework packages
-name a framework.
+(and each training stack's integration, its own framework) name a framework.
 
 The floors, lowest first (a module may import from its own floor and the floors below):
 
-  core          everything not named below: cases, bounds, faults, options and config, the
-                backend interface and registry, reports, renderers, diagnostics' framework-free
-                parts
+  core          everything not named below: bounds, options, files, errors, accumcheck.case (the
+                built-in and file cases), accumcheck.run (config, the backend interface and
+                registry, faults, resources), accumcheck.repro, reports, renderers, diagnostics'
+                framework-free parts
   judge         accumcheck.judge: statistics, verdicts, data-parallel and cross-framework checks
-  frameworks    accumcheck.frameworks: one package per framework
+  frameworks    accumcheck.torch, accumcheck.mxnet, accumcheck.jax: one package per framework
   entry points  accumcheck (the package's face), accumcheck.api, .cli, .plugin, .assertions, and
-                accumcheck.integrations (one face per training stack)
+                accumcheck.integrations (one module per training stack)
 
 Every import counts, at module level or inside a function.
 """
@@ -18,22 +19,34 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "accumcheck"
 FLOORS = ("core", "judge", "frameworks", "entry points")
 ENTRY_POINTS = {"accumcheck", "accumcheck.api", "accumcheck.cli", "accumcheck.plugin", "accumcheck.assertions"}
-FRAMEWORKS = ("torch", "mxnet")
+FRAMEWORKS = ("torch", "mxnet", "jax")
+# Each training stack's integration and the one framework it may name.
+INTEGRATIONS = {"accumcheck.integrations.transformers": "torch", "accumcheck.integrations.accelerate": "torch",
+                "accumcheck.integrations.lightning": "torch", "accumcheck.integrations.gluon": "mxnet"}
+
+
+def framework_of(module: str) -> str | None:
+    """The framework whose package ``module`` is in, if any."""
+    for framework in FRAMEWORKS:
+        if module == f"{PACKAGE}.{framework}" or module.startswith(f"{PACKAGE}.{framework}."):
+            return framework
+    return None
 
 
 def floor_of(module: str) -> str:
     if module in ENTRY_POINTS or module.startswith("accumcheck.integrations"):
         return "entry points"
-    for prefix, floor in (("accumcheck.judge", "judge"), ("accumcheck.frameworks", "frameworks")):
-        if module == prefix or module.startswith(prefix + "."):
-            return floor
-    return "core"
+    if module == "accumcheck.judge" or module.startswith("accumcheck.judge."):
+        return "judge"
+    return "frameworks" if framework_of(module) else "core"
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -153,10 +166,48 @@ def test_no_import_runs_from_a_lower_floor_up():
     assert upward(import_graph(ROOT)) == []
 
 
-def test_only_the_framework_packages_name_a_framework():
-    offenders = {name: found for name, path in modules(ROOT).items()
-                 if floor_of(name) != "frameworks" and (found := framework_mentions(path.read_text()))}
+def named_frameworks(mention: str) -> set[str]:
+    """The frameworks a mention from ``framework_mentions`` names (``mx`` is MXNet)."""
+    words = set(re.findall(r"\w+", mention.partition(": ")[2]))
+    return {f for f in FRAMEWORKS if f in words} | ({"mxnet"} if "mx" in words else set())
+
+
+def test_only_a_framework_package_or_its_integration_names_a_framework():
+    offenders = {}
+    for name, path in modules(ROOT).items():
+        if framework_of(name):  # its own framework, and another only to borrow inside a function
+            continue
+        own = {INTEGRATIONS[name]} if name in INTEGRATIONS else set()
+        found = [m for m in framework_mentions(path.read_text()) if not named_frameworks(m) <= own]
+        if found:
+            offenders[name] = found
     assert offenders == {}
+
+
+def test_every_integration_is_known_and_imports_only_its_own_framework():
+    graph = import_graph(ROOT)
+    integrations = {name for name in graph if name.startswith("accumcheck.integrations.")}
+    assert integrations == set(INTEGRATIONS)
+    crossed = {name: sorted(t for t in graph[name] if framework_of(t) not in (None, own))
+               for name, own in INTEGRATIONS.items()}
+    assert {name: ts for name, ts in crossed.items() if ts} == {}
+
+
+def test_the_package_adds_no_import_finder_and_its_public_paths_are_folders():
+    script = ("import sys; before = list(sys.meta_path); import accumcheck, accumcheck.torch, accumcheck.mxnet, "
+              "accumcheck.jax; print(len(sys.meta_path) - len(before), "
+              "[m.__file__ for m in (accumcheck.torch, accumcheck.mxnet, accumcheck.jax)])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    added, files = result.stdout.split(" ", 1)
+    assert added == "0", result.stderr
+    for framework in FRAMEWORKS:
+        assert str(ROOT / PACKAGE / framework / "__init__.py") in files
+    assert not (ROOT / PACKAGE / "frameworks").exists()
+
+
+def test_the_root_holds_at_most_ten_modules():
+    flat = sorted(p.name for p in (ROOT / PACKAGE).glob("*.py"))
+    assert len(flat) <= 10, flat
 
 
 def test_every_module_is_small():
@@ -188,11 +239,11 @@ def test_a_circle_is_found_also_through_a_function_level_import(tmp_path):
 
 def test_an_upward_import_is_found(tmp_path):
     root = _package(tmp_path, {
-        "__init__.py": "", "cases.py": "from .frameworks.torch import backend\n",
-        "frameworks/__init__.py": "", "frameworks/torch/__init__.py": "", "frameworks/torch/backend.py": "",
+        "__init__.py": "", "case/__init__.py": "", "case/definition.py": "from ..torch import backend\n",
+        "torch/__init__.py": "", "torch/backend.py": "",
     })
     assert upward(import_graph(root)) == [
-        "accumcheck.cases (core) -> accumcheck.frameworks.torch.backend (frameworks)"]
+        "accumcheck.case.definition (core) -> accumcheck.torch.backend (frameworks)"]
 
 
 def test_framework_names_in_code_are_found_and_docstrings_are_not():

@@ -4,12 +4,12 @@ micro-step; round-off never explained as a fault; the statistical tier and the s
 import numpy as np
 import pytest
 
-from accumcheck.backend import ParamAccumulation, RunResult
-from accumcheck.faults import round_to_bfloat16
 from accumcheck.judge import build_report
 from accumcheck.judge.attribution import FALSE_ALARM, describe
 from accumcheck.judge.secondpass import severity
 from accumcheck.report import Cause
+from accumcheck.run.faults import round_to_bfloat16
+from accumcheck.run.results import ParamAccumulation, RunResult
 
 F32 = np.float32
 N, K = 16, 8

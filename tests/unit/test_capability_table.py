@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from accumcheck.registry import get_backend
+from accumcheck.run.registry import get_backend
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mxnet.md"
 # table row -> the Capabilities field it shows (train's row is docs/trajectory.md's to say)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from accumcheck.casefile import builtin_case, builtin_case_names, load_case, parse_case, resolve_case
-from accumcheck.cases import CaseError
+from accumcheck.case.definition import CaseError
+from accumcheck.case.reading import builtin_case, builtin_case_names, load_case, parse_case, resolve_case
 
 MINIMAL = """
 name = "mini"

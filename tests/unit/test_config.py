@@ -7,12 +7,12 @@ import importlib.metadata
 
 import pytest
 
-from accumcheck import registry
 from accumcheck.cli import build_parser
-from accumcheck.config import RunConfig
 from accumcheck.errors import AccumcheckError
 from accumcheck.options import RUN_OPTIONS, command_line
-from accumcheck.validation import configure
+from accumcheck.run import registry
+from accumcheck.run.config import RunConfig
+from accumcheck.run.validation import configure
 
 
 def _skip_where_not_installed(options):

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import accumcheck
 from accumcheck.judge import build_report
-from accumcheck.registry import backend_names, get_backend, installed_backends
-from accumcheck.backend import ParamAccumulation, RunResult
-from accumcheck.casefile import builtin_case
+from accumcheck.run.registry import backend_names, get_backend, installed_backends
+from accumcheck.run.results import ParamAccumulation, RunResult
+from accumcheck.case.reading import builtin_case
 from accumcheck.render import FORMATS, render
 
 # Finding, listing and asking backends what they can do imports no framework.
@@ -30,8 +30,8 @@ for fmt in FORMATS:
     render(report, fmt)
 
 # A data-parallel report is judged and drawn by the core alone too.
-import accumcheck.cli, accumcheck.launch, accumcheck.plugin
-from accumcheck.backend import RankAccumulation
+import accumcheck.cli, accumcheck.run.launch, accumcheck.plugin
+from accumcheck.run.results import RankAccumulation
 from accumcheck.report import DataParallelSetup
 rank = RankAccumulation(0, "host", {"shared.weight": g}, {"shared.weight": g.astype(np.float64)},
                         {"shared.weight": g.astype(np.float64)}, {"shared.weight": g})

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accumcheck.backend import ParamAccumulation, RankAccumulation, RunResult
 from accumcheck.bounds import ModeBound, gamma
-from accumcheck.casefile import builtin_case
-from accumcheck.faults import round_to_bfloat16
+from accumcheck.case.reading import builtin_case
 from accumcheck.judge import build_report
 from accumcheck.judge.dataparallel import DataParallelBounds, RankChecks, bounds_for, check_tensor, summarise
 from accumcheck.report import DataParallelSetup, SingleProcessAgreement
+from accumcheck.run.faults import round_to_bfloat16
+from accumcheck.run.results import ParamAccumulation, RankAccumulation, RunResult
 
 F32 = np.float32
 

@@ -1,4 +1,4 @@
-"""accumcheck.faults: parsing and aiming a fault, what the injector adds at each micro-step, and
+"""accumcheck.run.faults: parsing and aiming a fault, what the injector adds at each micro-step, and
 bfloat16 rounding, on hand-computed values."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from accumcheck.errors import AccumcheckError
-from accumcheck.faults import SCALE_FACTOR, Fault, FaultInjector, parse_fault, resolve_fault, round_to_bfloat16
+from accumcheck.run.faults import SCALE_FACTOR, Fault, FaultInjector, parse_fault, resolve_fault, round_to_bfloat16
 
 F32 = np.float32
 PARAMS = [("norm.gamma", "norm"), ("embed.weight", "embedding"), ("fc.weight", "weight"), ("fc.bias", "bias")]

@@ -7,14 +7,14 @@ import re
 import numpy as np
 import pytest
 
-from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
-from accumcheck.casefile import builtin_case
+from accumcheck.case.reading import builtin_case
 from accumcheck.judge import FACTOR_TOLERANCE, build_report, full_batch_verdict
 from accumcheck.judge.fullbatch import factor_candidates, run_figures
 from accumcheck.render.markdown import markdown
 from accumcheck.render.text import full_batch_line, summary_line
 from accumcheck.report import FullBatchResult
 from accumcheck.report.values import decode, encode
+from accumcheck.run.results import FullBatchGap, ParamAccumulation, RunResult
 
 RNG = np.random.default_rng(7)
 FULL = {"embed.weight": RNG.standard_normal((5, 3)), "fc.weight": RNG.standard_normal((3, 3)),

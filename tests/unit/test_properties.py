@@ -17,13 +17,13 @@ from hypothesis import assume, event, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from accumcheck.backend import ParamAccumulation, RunResult
 from accumcheck.bounds import ModeBound
-from accumcheck.casefile import builtin_case, builtin_case_names, parse_case
-from accumcheck.cases import ACTIVATIONS
-from accumcheck.faults import Fault, FaultInjector, round_to_bfloat16
+from accumcheck.case.definition import ACTIVATIONS
+from accumcheck.case.reading import builtin_case, builtin_case_names, parse_case
 from accumcheck.judge import build_report, compare_tensor
 from accumcheck.report import SEVERITIES, Cause, Report, TensorResult
+from accumcheck.run.faults import Fault, FaultInjector, round_to_bfloat16
+from accumcheck.run.results import ParamAccumulation, RunResult
 
 F32 = np.float32
 # Any finite float32 of magnitude up to 1e30, subnormals included; 512 of them cannot overflow.

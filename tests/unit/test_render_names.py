@@ -193,7 +193,7 @@ def test_the_pictures_draw_an_escaped_name_and_never_read_it_as_mathtext():
 
 
 def test_a_case_files_name_and_description_are_escaped_in_the_cases_table():
-    from accumcheck.casefile import builtin_cases
+    from accumcheck.case.reading import builtin_cases
 
     case = dataclasses.replace(builtin_cases()[0], name=HOSTILE, description=f"about {HOSTILE}")
     console = Console(file=io.StringIO(), width=100, color_system=None, force_terminal=False)

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.errors import AccumcheckError, NothingJudgedError
 from accumcheck.judge import build_report
 from accumcheck.report import (
@@ -32,7 +31,8 @@ from accumcheck.report import (
 from accumcheck.report.schema import FIELDS, INT_LIMIT, LongInteger, check_data, parse_int
 from accumcheck.report.tensor import CAUSE_KINDS
 from accumcheck.report.values import FieldError
-from accumcheck.trajectory import Trajectory
+from accumcheck.run.results import FullBatchGap, ParamAccumulation, RunResult
+from accumcheck.run.trajectory import Trajectory
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reports-0.1.0"
 

@@ -10,18 +10,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from accumcheck import registry
-from accumcheck.backend import Backend
 from accumcheck.bounds import ModeBound
-from accumcheck.casefile import builtin_case, builtin_case_names, parse_case
-from accumcheck.config import RunConfig
+from accumcheck.case.reading import builtin_case, builtin_case_names, parse_case
 from accumcheck.errors import AccumcheckError
-from accumcheck.faults import Fault, FaultInjector, round_to_bfloat16
 from accumcheck.judge.statistics import tensor_figures
-from accumcheck.options import FAULT_KINDS
-from accumcheck.repro import case_arrays, check_request, repro_files, target_of, write_data
-from accumcheck.reprotext import JUDGE, check_fault_kind, fault_kinds_written, fault_source
-from accumcheck.shrink import case_toml, reductions, shrink, size, smaller, still_flagged
+from accumcheck.repro.request import case_arrays, check_request, repro_files, target_of, write_data
+from accumcheck.repro.script import JUDGE, check_fault_kind, fault_kinds_written, fault_source
+from accumcheck.repro.shrink import case_toml, reductions, shrink, size, smaller, still_flagged
+from accumcheck.run import registry
+from accumcheck.run.backend import Backend
+from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.run.config import RunConfig
+from accumcheck.run.faults import Fault, FaultInjector, round_to_bfloat16
 
 # ----------------------------------------------------------------------------- the data
 
@@ -326,7 +326,7 @@ units = 100
 
 
 def test_a_write_that_fails_is_one_line_naming_the_file(tmp_path, monkeypatch):
-    import accumcheck.repro as repro
+    import accumcheck.repro.request as repro
 
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device")

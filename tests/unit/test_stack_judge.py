@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from accumcheck.backend import StackWindow
 from accumcheck.errors import AccumcheckError, NothingJudgedError
 from accumcheck.judge.fullbatch import SEMANTIC_TOLERANCE
 from accumcheck.judge.stack import Coverage, judge_window, stack_report
 from accumcheck.render import render
 from accumcheck.report import load_report, report_from_data
+from accumcheck.run.results import StackWindow
 
 RNG = np.random.default_rng(3)
 F = {"embed.weight": RNG.standard_normal((6, 4)), "head.weight": RNG.standard_normal((4, 4)),

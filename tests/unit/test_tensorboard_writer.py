@@ -119,7 +119,7 @@ def test_a_folder_that_takes_nothing_fails_when_the_writer_is_made(tmp_path, ful
 
 def _torch_steps(folder, steps):
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from accumcheck.diagnostics.torch import GradMonitor
+    from accumcheck.torch import GradMonitor
 
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
     with GradMonitor(model, writer=folder, log_every=1) as monitor:
@@ -132,7 +132,7 @@ def _torch_steps(folder, steps):
 def _mxnet_steps(folder, steps):
     mx = pytest.importorskip("mxnet", reason="mxnet is not installed")
     import accumcheck.mxnet  # noqa: F401
-    from accumcheck.diagnostics.mxnet import GradMonitor
+    from accumcheck.mxnet import GradMonitor
 
     net = mx.gluon.nn.HybridSequential()
     for _ in range(4):

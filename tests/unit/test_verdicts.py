@@ -7,13 +7,13 @@ import hashlib
 
 import numpy as np
 
-from accumcheck.backend import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.bounds import ModeBound
-from accumcheck.casefile import builtin_case
-from accumcheck.faults import Fault
+from accumcheck.case.reading import builtin_case
 from accumcheck.judge import build_report, compare_tensor, full_batch_verdict
 from accumcheck.judge.dataparallel import Candidate, RankChecks
 from accumcheck.report import FullBatchResult
+from accumcheck.run.faults import Fault
+from accumcheck.run.results import FullBatchGap, ParamAccumulation, RunResult
 from accumcheck.version import __version__
 
 F32 = np.float32

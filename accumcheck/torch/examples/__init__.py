@@ -1,1 +1,1 @@
-"""Runnable examples: ``python -m accumcheck.frameworks.torch.examples.diverge``."""
+"""Runnable examples: ``python -m accumcheck.torch.examples.diverge``."""

@@ -1,7 +1,7 @@
 """A small transformer trained on the CPU until a learning-rate spike makes it diverge; the
 gradient monitor names the parameter that dominates the gradient norm when clipping fires hard.
 
-    python -m accumcheck.frameworks.torch.examples.diverge [--steps 60] [--spike-at 40] [--logdir runs/diverge]
+    python -m accumcheck.torch.examples.diverge [--steps 60] [--spike-at 40] [--logdir runs/diverge]
 
 It trains a 2-layer encoder to copy random tokens with AdamW at lr 1e-3, then multiplies the
 learning rate by 1000 from --spike-at on. Per-layer gradient statistics go to TensorBoard when

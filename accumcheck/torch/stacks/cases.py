@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ....cases import Case
-from ....errors import AccumcheckError
+from ...case.definition import Case
+from ...errors import AccumcheckError
 from ..model import build_model
 from ..userbatch import IGNORE_INDEX, item_count
 

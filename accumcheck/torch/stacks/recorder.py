@@ -19,10 +19,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ....backend import StackWindow
-from ....errors import AccumcheckError
-from ....judge.stack import Coverage
-from ....usermodel import map_leaves
+from ...errors import AccumcheckError
+from ...judge.stack import Coverage
+from ...run.results import StackWindow
+from ...run.usermodel import map_leaves
 from ..model import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
 

@@ -8,13 +8,13 @@ import pytest
 from conftest import run_cli
 
 import accumcheck
-from accumcheck.casefile import builtin_case_names
+from accumcheck.case.reading import builtin_case_names
 from accumcheck.errors import AccumcheckError
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 
-from accumcheck.frameworks.jax.multisteps import MultiStepsNative, mean_allowance  # noqa: E402
+from accumcheck.jax.multisteps import MultiStepsNative, mean_allowance  # noqa: E402
 
 FAULTS = ("drop-step", "repeat-step", "double-step", "scale", "bf16")
 
@@ -135,7 +135,7 @@ def test_refusals_are_one_line(cli):
 
 
 def test_a_gpu_is_refused_cleanly_where_jax_sees_none():
-    from accumcheck.frameworks.jax.run import has_gpu
+    from accumcheck.jax.run import has_gpu
 
     if has_gpu():
         pytest.skip("jax sees a GPU here")
@@ -145,7 +145,7 @@ def test_a_gpu_is_refused_cleanly_where_jax_sees_none():
 
 @pytest.mark.gpu
 def test_on_the_gpu():
-    from accumcheck.frameworks.jax.run import has_gpu
+    from accumcheck.jax.run import has_gpu
 
     if not has_gpu():
         pytest.skip("jax sees no GPU")
@@ -175,7 +175,7 @@ def test_a_jax_that_computes_another_function_is_named(monkeypatch):
     """Negative control for the agreement: JAX's dense layer off by one part in 10^4."""
     pytest.importorskip("torch")
     pytest.importorskip("mxnet")
-    from accumcheck.frameworks.jax import model
+    from accumcheck.jax import model
 
     dense = model.JaxOps.dense
     monkeypatch.setattr(model, "_COMPILED", {})  # functions compiled before the patch would not see it

@@ -12,12 +12,12 @@ import pytest
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
-import accumcheck.jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from attribution_checks import assert_explained  # noqa: E402
 
 import accumcheck  # noqa: E402
-from accumcheck.options import FAULT_KINDS  # noqa: E402
+import accumcheck.jax  # noqa: E402
+from accumcheck.run.choices import FAULT_KINDS  # noqa: E402
 
 N = 16
 FAULTS = [kind for kind in FAULT_KINDS if kind != "roundoff"]
@@ -256,7 +256,7 @@ def test_python_branches_run_with_jit_off_and_batches_may_be_a_function():
 def test_names_are_readable_and_unique():
     from collections import namedtuple
 
-    from accumcheck.frameworks.jax.model_check import ParamTree
+    from accumcheck.jax.model_check import ParamTree
 
     Pair = namedtuple("Pair", "w b")
     tree = ParamTree({"a.b": jnp.ones(2), "a": {"b": jnp.ones(2)}, "t": (Pair(jnp.ones((2, 2)), jnp.ones(2)),)})
@@ -265,8 +265,8 @@ def test_names_are_readable_and_unique():
 
 
 def test_accumcheck_jax_exports_check_lazily_and_the_backend_hands_it_out():
-    from accumcheck.frameworks.jax.backend import JaxBackend
-    from accumcheck.frameworks.jax.model_check import check
+    from accumcheck.jax.backend import JaxBackend
+    from accumcheck.jax.model_check import check
 
     assert accumcheck.jax.check is check and JaxBackend().model_check() is check
     code = "import sys, accumcheck.jax; assert 'jax' not in sys.modules and 'optax' not in sys.modules"

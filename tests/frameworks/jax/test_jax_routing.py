@@ -10,9 +10,8 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 import accumcheck.jax  # noqa: E402
-
 from accumcheck.errors import AccumcheckError  # noqa: E402
-from accumcheck.setupfile import user_check  # noqa: E402
+from accumcheck.run.setupfile import user_check  # noqa: E402
 
 MODEL = textwrap.dedent('''
     import jax

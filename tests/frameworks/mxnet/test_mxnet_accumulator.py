@@ -7,12 +7,13 @@ from budget_checks import assert_same_report, tightest
 from conftest import run_cli
 
 import accumcheck
-from accumcheck.casefile import builtin_case_names
+from accumcheck.case.reading import builtin_case_names
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
+from mxnet import autograd, gluon  # noqa: E402
+
 import accumcheck.mxnet  # noqa: E402
 from accumcheck.mxnet import GradAccumulator  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
 
 SLOW = ("embed-attention", "transformer-small")  # a minute or so at 256 micro-steps
 

@@ -5,8 +5,8 @@ import pytest
 from attribution_checks import assert_explained
 
 import accumcheck
-from accumcheck.casefile import builtin_case_names
-from accumcheck.options import FAULT_KINDS
+from accumcheck.case.reading import builtin_case_names
+from accumcheck.run.choices import FAULT_KINDS
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 FIXED = tuple(int(x) for x in mx.__version__.split(".")[:2]) >= (1, 7)  # apache/mxnet#17995

@@ -11,11 +11,11 @@ import pytest
 from accumcheck.errors import AccumcheckError
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
-import accumcheck.mxnet  # noqa: E402
-from accumcheck.diagnostics.mxnet import GradMonitor  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
-from accumcheck.frameworks.mxnet import diagnostics as diagnostics_module  # noqa: E402
+import accumcheck.mxnet  # noqa: E402
+from accumcheck.mxnet import GradMonitor  # noqa: E402
+from accumcheck.mxnet import diagnostics as diagnostics_module  # noqa: E402
 
 VOCAB, WIDTH = 50, 16
 
@@ -65,8 +65,9 @@ def events(logdir):
 
 def test_the_tags_are_the_pytorch_monitors_on_the_same_model(tmp_path):
     torch = pytest.importorskip("torch")
-    from accumcheck.diagnostics.torch import GradMonitor as TorchMonitor
     from torch.utils.tensorboard import SummaryWriter
+
+    from accumcheck.torch.diagnostics import GradMonitor as TorchMonitor
 
     class Blocks(torch.nn.Module):
         def __init__(self, n=6):

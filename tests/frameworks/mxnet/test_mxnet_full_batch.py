@@ -5,13 +5,13 @@ import pytest
 from conftest import run_cli
 
 import accumcheck
-from accumcheck.backend import FullBatchGap
-from accumcheck.casefile import builtin_case
-from accumcheck.cases import IGNORE_LABEL
+from accumcheck.case.definition import IGNORE_LABEL
+from accumcheck.case.reading import builtin_case
 from accumcheck.judge import FACTOR_TOLERANCE, full_batch_verdict
+from accumcheck.run.results import FullBatchGap
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
-from accumcheck.frameworks.mxnet import fullbatch  # noqa: E402
+from accumcheck.mxnet import fullbatch  # noqa: E402
 
 VERDICT = ("equivalent", "constant", "matches", "item_counts", "normalisation", "accumulated_scaled_by")
 

@@ -8,9 +8,9 @@ import accumcheck
 pytest.importorskip("mxnet")
 from budget_checks import assert_same_report, tightest  # noqa: E402
 
-from accumcheck.casefile import builtin_case_names  # noqa: E402
+from accumcheck.case.reading import builtin_case_names  # noqa: E402
 from accumcheck.errors import AccumcheckError  # noqa: E402
-from accumcheck.options import FAULT_KINDS  # noqa: E402
+from accumcheck.run.choices import FAULT_KINDS
 
 N = 8
 CASES = builtin_case_names()

@@ -8,7 +8,6 @@ import pytest
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 import accumcheck.mxnet  # noqa: E402
-
 from accumcheck.errors import AccumcheckError  # noqa: E402
 
 gluon = mx.gluon

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from repro_checks import ODD_CASE, assert_reproduces, run_script, write_case_script
 
-from accumcheck.casefile import builtin_case_names
-from accumcheck.options import FAULT_KINDS
+from accumcheck.case.reading import builtin_case_names
+from accumcheck.run.choices import FAULT_KINDS
 
 pytest.importorskip("mxnet")
 

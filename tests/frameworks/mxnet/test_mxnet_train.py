@@ -31,8 +31,8 @@ def test_a_clean_run_stays_in_the_band():
 
 def _by_hand(native: bool, optimizer: str, steps: int, multi_precision: bool = False, dtype: str = "float32"):
     """The case's loop as a Gluon user writes it, independently of accumcheck's passes."""
-    from accumcheck.casefile import resolve_case
-    from accumcheck.frameworks.mxnet.passes import case_step, prepared
+    from accumcheck.case.reading import resolve_case
+    from accumcheck.mxnet.passes import case_step, prepared
 
     case = resolve_case("shared-weight")
     n = case.accum_steps
@@ -63,7 +63,7 @@ def _by_hand(native: bool, optimizer: str, steps: int, multi_precision: bool = F
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_both_trajectories_are_the_loops_a_user_writes(optimizer, monkeypatch):
     """The parameters after two steps, bit for bit those of a plain Gluon loop of each kind."""
-    from accumcheck.frameworks.mxnet import train as module
+    from accumcheck.mxnet import train as module
 
     seen = {}
     record = module.Trajectory.record

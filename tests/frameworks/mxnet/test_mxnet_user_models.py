@@ -9,7 +9,7 @@ import pytest
 from attribution_checks import assert_explained
 
 import accumcheck
-from accumcheck.options import FAULT_KINDS
+from accumcheck.run.choices import FAULT_KINDS
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 import accumcheck.mxnet  # noqa: E402
@@ -466,7 +466,7 @@ def test_an_interrupt_is_not_turned_into_an_error():
 
 
 def test_the_reproduce_line_names_the_step_and_a_check_that_cannot_fit_is_refused(monkeypatch):
-    from accumcheck import resources
+    from accumcheck.run import resources
 
     net = gluon.nn.Dense(3, in_units=4)
     net.initialize()

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import accumcheck
-from accumcheck.casefile import builtin_case_names
+from accumcheck.case.reading import builtin_case_names
 
 torch = pytest.importorskip("torch")
 from accumcheck.torch import GradAccumulator  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import needs_torch, run_cli
 
-from accumcheck.casefile import builtin_case_names
+from accumcheck.case.reading import builtin_case_names
 
 pytestmark = needs_torch
 
@@ -67,7 +67,7 @@ def test_the_roundoff_control_on_one_rank_is_not_flagged():
 def test_the_conditional_branch_runs_with_find_unused_parameters_and_matches_one_process():
     import numpy as np
 
-    from accumcheck.casefile import builtin_case
+    from accumcheck.case.reading import builtin_case
 
     case = builtin_case("conditional-branch")
     # With two ranks, rank 0 takes the branch at micro-steps 0, 2, 4, ... but not at the last

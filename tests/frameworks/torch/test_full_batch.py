@@ -4,8 +4,8 @@ import pytest
 from conftest import needs_torch, run_cli
 
 import accumcheck
-from accumcheck.casefile import builtin_case
-from accumcheck.cases import IGNORE_LABEL
+from accumcheck.case.definition import IGNORE_LABEL
+from accumcheck.case.reading import builtin_case
 
 pytestmark = needs_torch
 
@@ -36,9 +36,9 @@ def test_a_loss_summed_over_tokens_where_the_mean_is_meant_is_the_token_count_ti
     # lengths agree; a mean over unequal lengths is a weighting): two real runs make the bug.
     import torch
 
-    from accumcheck.backend import FullBatchGap
-    from accumcheck.frameworks.torch.fullbatch import full_batch_gap
     from accumcheck.judge import full_batch_verdict
+    from accumcheck.run.results import FullBatchGap
+    from accumcheck.torch.fullbatch import full_batch_gap
 
     case, cpu = builtin_case("padded-tokens"), torch.device("cpu")
     summed = full_batch_gap(case.with_reduction("sum"), case.weights(), 4, cpu)  # sums over tokens

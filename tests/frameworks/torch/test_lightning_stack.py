@@ -211,7 +211,7 @@ def test_a_missing_lightning_is_one_actionable_error(monkeypatch):
 
     for name in [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "accumcheck.frameworks.torch.stacks.lightning")
+    monkeypatch.delitem(sys.modules, "accumcheck.integrations.lightning")
     monkeypatch.delitem(face.__dict__, "AccumulationCheck", raising=False)  # a name the face loaded already
     with pytest.raises(AccumcheckError, match=r"pip install 'accumcheck\[lightning\]'"):
         face.AccumulationCheck

@@ -7,8 +7,8 @@ from conftest import needs_torch
 
 import accumcheck
 from accumcheck.bounds import ModeBound
-from accumcheck.casefile import builtin_case_names
-from accumcheck.options import FAULT_KINDS
+from accumcheck.case.reading import builtin_case_names
+from accumcheck.run.choices import FAULT_KINDS
 
 pytestmark = needs_torch
 CASES = builtin_case_names()
@@ -77,7 +77,7 @@ def test_oracle_reports_errors_against_the_float64_model():
 def test_manual_accumulation_matches_e_and_torch_state_is_restored():
     import torch
 
-    from accumcheck.registry import get_backend
+    from accumcheck.run.registry import get_backend
 
     before = torch.are_deterministic_algorithms_enabled()
     run = get_backend("torch").run(accumcheck.configure({"case": "shared-weight", "accum_steps": 3}))
@@ -126,7 +126,7 @@ def test_deterministic_algorithms_are_on_for_the_run_and_torchinductor_is_left_a
 
     script = """
 import sys, torch
-from accumcheck.frameworks.torch.model import deterministic
+from accumcheck.torch.model import deterministic
 with deterministic(torch.device("cpu")) as settings:
     assert torch.are_deterministic_algorithms_enabled() and settings["deterministic_algorithms"]
     assert not torch.backends.cuda.matmul.allow_tf32
@@ -143,7 +143,7 @@ def test_fresh_allocations_are_not_filled_during_the_run_and_the_setting_comes_b
     import torch
     import torch.utils.deterministic
 
-    from accumcheck.frameworks.torch.model import deterministic
+    from accumcheck.torch.model import deterministic
 
     before = torch.utils.deterministic.fill_uninitialized_memory
     torch.utils.deterministic.fill_uninitialized_memory = found

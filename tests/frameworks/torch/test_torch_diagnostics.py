@@ -9,10 +9,10 @@ from accumcheck.diagnostics import layer_groups, layer_norms, select_layers
 from accumcheck.errors import AccumcheckError
 
 torch = pytest.importorskip("torch")
-from accumcheck.diagnostics.torch import GradMonitor, dominance_report, named_parameters  # noqa: E402
 from simulated_device import SimulatedDevice  # noqa: E402
 
-from accumcheck.frameworks.torch import diagnostics as diagnostics_module  # noqa: E402
+from accumcheck.torch import diagnostics as diagnostics_module  # noqa: E402
+from accumcheck.torch.diagnostics import GradMonitor, dominance_report, named_parameters  # noqa: E402
 
 
 def many_parameters(seed=0, scale=1.0):
@@ -336,9 +336,10 @@ def test_normal_steps_pass_sync_debug_mode_on_a_gpu():
 
 def test_mxnet_statistics_and_dominance():
     mx = pytest.importorskip("mxnet")
-    from accumcheck.diagnostics.mxnet import clip_global_norm, layer_stats
-    from accumcheck.diagnostics.mxnet import dominance_report as mx_report
     from mxnet import gluon
+
+    from accumcheck.mxnet.diagnostics import clip_global_norm, layer_stats
+    from accumcheck.mxnet.diagnostics import dominance_report as mx_report
 
     net = gluon.nn.HybridSequential()
     for _ in range(6):
@@ -367,10 +368,10 @@ def test_mxnet_statistics_and_dominance():
 
 def test_mxnet_statistics_reach_tensorboard_and_gradient_lists_clip(tmp_path):
     mx = pytest.importorskip("mxnet")
-    from accumcheck.diagnostics.mxnet import clip_global_norm, layer_stats, log_stats
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from accumcheck.diagnostics.tensorboard import ScalarWriter
+    from accumcheck.mxnet.diagnostics import clip_global_norm, layer_stats, log_stats
 
     grads = [mx.nd.full((3, 3), 2.0), mx.nd.full((4,), 1.0)]
     total, norms = clip_global_norm(grads, max_norm=1.0)
@@ -397,7 +398,7 @@ def test_mxnet_statistics_reach_tensorboard_and_gradient_lists_clip(tmp_path):
 
 
 def test_the_divergence_example_names_the_dominating_parameter(capsys, caplog):
-    from accumcheck.frameworks.torch.examples import diverge
+    from accumcheck.torch.examples import diverge
 
     with caplog.at_level(logging.WARNING, logger="accumcheck.diagnostics"):
         assert diverge.main(["--steps", "48", "--spike-at", "40"]) == 0

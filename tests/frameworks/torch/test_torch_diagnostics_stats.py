@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from accumcheck.diagnostics.torch import GradMonitor  # noqa: E402
+from accumcheck.torch.diagnostics import GradMonitor  # noqa: E402
 
 
 class Blocks(torch.nn.Module):

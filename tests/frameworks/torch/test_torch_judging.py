@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_reference import BOUNDS, assert_same, tensors
 
-from accumcheck.casefile import builtin_case_names, resolve_case
+from accumcheck.case.reading import builtin_case_names, resolve_case
 from accumcheck.judge import build_report
 from accumcheck.judge.kernel import reduce_on_host
-from accumcheck.options import FAULT_KINDS
-from accumcheck.validation import configure
+from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.run.validation import configure
 
 pytestmark = needs_torch
 torch = pytest.importorskip("torch")
@@ -28,7 +28,7 @@ SUMMED = {"condition", "rel_err_native", "rel_err_manual", "grad_sum_sq", "sprea
 @settings(max_examples=150, deadline=None)
 @given(tensors(), BOUNDS, st.sampled_from([(1.3e-6, 1e-5), (0.0, 0.0)]), st.sampled_from([7, 256, 1 << 24]))
 def test_the_device_reduction_is_the_host_kernel(arrays, bounds, tolerances, slice_size):
-    from accumcheck.frameworks.torch import judging
+    from accumcheck.torch import judging
 
     a, b, e, s = arrays
     args = (*bounds, *tolerances)
@@ -41,7 +41,7 @@ def test_the_device_reduction_is_the_host_kernel(arrays, bounds, tolerances, sli
 
 
 def test_narrow_dtypes_are_judged_as_float32_like_on_the_host():
-    from accumcheck.frameworks.torch.judging import reduce_tensors
+    from accumcheck.torch.judging import reduce_tensors
 
     rng = np.random.default_rng(0)
     e = rng.standard_normal(3000)
@@ -68,9 +68,9 @@ def _differences(a, b, where=""):
 @pytest.mark.parametrize("fault", [None, *FAULT_KINDS])
 @pytest.mark.parametrize("case", builtin_case_names())
 def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, fault, monkeypatch):
-    from accumcheck.frameworks.torch import run as torch_run
-    from accumcheck.frameworks.torch.backend import TorchBackend
-    from accumcheck.frameworks.torch.judging import HostCopy
+    from accumcheck.torch import run as torch_run
+    from accumcheck.torch.backend import TorchBackend
+    from accumcheck.torch.judging import HostCopy
 
     monkeypatch.setattr(torch_run, "judged_on_device", lambda device: True)
     config = configure({"case": case, "framework": "torch", "accum_steps": 16, "inject": fault})
@@ -92,8 +92,7 @@ def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, f
 @pytest.mark.parametrize("inject", [None, "scale", "drop-step"])
 def test_your_own_model_judged_on_the_device_gives_the_host_report(inject, monkeypatch):
     import accumcheck.torch
-
-    from accumcheck.frameworks.torch import model_check
+    from accumcheck.torch import model_check
 
     def model():
         torch.manual_seed(0)

@@ -171,7 +171,7 @@ def test_the_model_is_put_back_when_the_trainer_raises(tmp_path):
 def test_a_trainer_that_cannot_start_is_the_users_error_and_a_bug_of_ours_is_not(tmp_path, monkeypatch):
     with pytest.raises(UserCodeError, match="the Trainer raised ValueError: num_samples should be a positive"):
         check(trainer_for(tmp_path, data=[]))
-    from accumcheck.frameworks.torch.stacks import recorder
+    from accumcheck.torch.stacks import recorder
 
     # accumcheck's own code failing inside the Trainer's run (calling None there): a bug, raised as it is
     monkeypatch.setattr(recorder, "predicted_count", None)

@@ -8,8 +8,9 @@ import pytest
 import accumcheck
 
 torch = pytest.importorskip("torch")
-import accumcheck.torch  # noqa: E402
 from test_user_models import assert_same_state, state  # noqa: E402
+
+import accumcheck.torch  # noqa: E402
 
 F = torch.nn.functional
 N = 8
@@ -186,7 +187,7 @@ def test_a_model_that_is_not_a_module_is_refused():
 
 
 def test_a_check_that_cannot_fit_is_refused_before_it_runs_unless_forced(monkeypatch):
-    from accumcheck import resources
+    from accumcheck.run import resources
 
     model, pairs = TwoInputs(), data()
     monkeypatch.setattr(resources, "available_memory", lambda: 1000)

@@ -13,9 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import accumcheck.torch  # noqa: E402
-
 from accumcheck.errors import AccumcheckError, UserCodeError  # noqa: E402
-from accumcheck.frameworks.torch.modelstate import snapshot_bytes  # noqa: E402
+from accumcheck.torch.modelstate import snapshot_bytes  # noqa: E402
 
 N = 8
 
@@ -235,16 +234,16 @@ def test_a_loss_that_backward_was_called_on_is_refused_before_judging():
 
 
 def test_the_copy_that_puts_the_model_back_is_in_the_memory_estimate_and_budget(monkeypatch):
-    import accumcheck.resources
-    from accumcheck.budget import minimum
-    from accumcheck.frameworks.torch.needs import model_needs
+    import accumcheck.run.resources
+    from accumcheck.run.budget import minimum
+    from accumcheck.torch.needs import model_needs
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
     data = [(torch.randn(2, 64), torch.randn(2, 4)) for _ in range(4)]
     kept = snapshot_bytes(model)
     assert kept == sum(p.numel() * 4 for p in model.parameters())
-    without = accumcheck.resources.estimate_model(sum(p.numel() for p in model.parameters()), False).bytes
-    monkeypatch.setattr(accumcheck.resources, "available_memory", lambda: without + kept // 2)
+    without = accumcheck.run.resources.estimate_model(sum(p.numel() for p in model.parameters()), False).bytes
+    monkeypatch.setattr(accumcheck.run.resources, "available_memory", lambda: without + kept // 2)
     with pytest.raises(AccumcheckError, match="needs about"):
         accumcheck.torch.check(model, mse, data)
     monkeypatch.undo()

@@ -9,8 +9,9 @@ import accumcheck
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-import accumcheck.torch  # noqa: E402
 from zoo import tiny_llama, token_batches  # noqa: E402
+
+import accumcheck.torch  # noqa: E402
 
 N = 4
 
