@@ -32,20 +32,22 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
-try:
-    import accelerate  # noqa: F401  (the stack: missing, one line says so)
-    import torch
-except ModuleNotFoundError as exc:
-    raise missing(__name__, exc, 'accelerate and PyTorch', "pip install 'accumcheck[accelerate]'") from None
-
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge.stack import stack_report
 from ..options import stack_command
 from ..report import StackReport
-from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
-from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves, stack_library
-from ..torch.userbatch import micro_loss
+from . import missing
+
+try:
+    import accelerate  # noqa: F401  (the stack: missing, one line says so)
+    import torch
+
+    from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves, stack_library
+    from ..torch.userbatch import micro_loss
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, "accelerate and PyTorch", "pip install 'accumcheck[accelerate]'") from None
 
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
 

@@ -43,21 +43,23 @@ from typing import Any, Callable
 
 import numpy as np
 
-try:
-    from mxnet import autograd
-except ModuleNotFoundError as exc:
-    raise missing(__name__, exc, 'MXNet', "pip install 'accumcheck[mxnet]'") from None
-
 from ..case.definition import IGNORE_LABEL
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge.stack import Coverage, stack_report
-from ..mxnet.blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
-from ..mxnet.library import mx
-from ..mxnet.model import build_block
 from ..options import stack_command
 from ..report import StackReport
 from ..run.results import StackWindow
+from . import missing
+
+try:
+    from mxnet import autograd
+
+    from ..mxnet.blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
+    from ..mxnet.library import mx
+    from ..mxnet.model import build_block
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, "MXNet", "pip install 'accumcheck[mxnet]'") from None
 
 FAULTS = ("step-per-micro-batch", "loss-over-n")
 DTYPE = "float64"

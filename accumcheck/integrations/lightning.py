@@ -27,19 +27,21 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
-try:
-    import lightning.pytorch as pl
-    import torch
-except ModuleNotFoundError as exc:
-    raise missing(__name__, exc, 'lightning and PyTorch', "pip install 'accumcheck[lightning]'") from None
-
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge.stack import stack_report
 from ..options import stack_command
 from ..report import StackReport
-from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
-from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves
+from . import missing
+
+try:
+    import lightning.pytorch as pl
+    import torch
+
+    from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves
+except ModuleNotFoundError as exc:
+    raise missing(__name__, exc, "lightning and PyTorch", "pip install 'accumcheck[lightning]'") from None
 
 
 class AccumulationCheck(pl.Callback):

@@ -33,6 +33,9 @@ from ..report import StackReport
 from . import missing
 
 try:
+    import accelerate  # noqa: F401  (the Trainer's own engine: missing, one line says so)
+    import transformers  # noqa: F401
+
     from ..torch.stacks.cases import CaseLM, case_examples
     from ..torch.stacks.recorder import Float64Run, StackRecorder, stack_library
 except ModuleNotFoundError as exc:

@@ -217,3 +217,17 @@ def _deferred():
     net = gluon.nn.Dense(3)  # in_units unknown until the first forward
     net.initialize()
     return net, gluon.Trainer(net.collect_params(), "sgd")
+
+
+def test_a_missing_mxnet_is_one_actionable_error(monkeypatch):
+    """Importing the integration without MXNet installed: one AccumcheckError saying what to install."""
+    import importlib
+    import sys
+
+    for name in [m for m in sys.modules if m == "mxnet" or m.startswith("mxnet.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "accumcheck.integrations.gluon", raising=False)
+    monkeypatch.delitem(sys.modules, "accumcheck.mxnet.library", raising=False)
+    with pytest.raises(AccumcheckError, match=r"accumcheck.integrations.gluon needs MXNet \(mxnet is not installed\); "
+                                              r"install them with pip install 'accumcheck\[mxnet\]'"):
+        importlib.import_module("accumcheck.integrations.gluon")
