@@ -25,7 +25,8 @@ from .diagnostics.tensorboard import ScalarWriter
 from .errors import AccumcheckError
 from .judge import Judge, agreement, build_report, forward_agreement, odd_one_out
 from .judge.agreement import FLOAT64_KERNEL_ALLOWANCE
-from .options import TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
+from .options.choices import STACKS
+from .options.spec import TRAIN_OPTIONS, TRAIN_RUN_OPTIONS
 from .report import CrossReport, Report, SweepReport, TrajectoryReport
 from .repro.request import ReproFiles, check_request, target_of, write_text
 from .repro.request import write as write_script
@@ -33,7 +34,6 @@ from .repro.shrink import MAX_TRIALS, case_toml
 from .repro.shrink import shrink as shrink_case
 from .run.backend import Backend, Progress
 from .run.budget import plan
-from .run.choices import STACKS
 from .run.config import RunConfig
 from .run.faults import Fault, resolve_fault
 from .run.registry import backend_names, backend_options, get_backend, installed_backends

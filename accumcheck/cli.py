@@ -23,14 +23,15 @@ from . import api
 from .case.reading import builtin_cases
 from .errors import AccumcheckError
 from .files import check_output_file, check_output_folder, write_or_rescue
-from .options import OPTIONS_BY_NAME, RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options, comma_list
+from .options.choices import MODES, REDUCTIONS, STACK_FAULTS, STACKS
+from .options.spec import OPTIONS_BY_NAME, RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options
+from .options.values import comma_list
 from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
 from .render.table import render_cases
 from .render.text import one_line
 from .report import Report, diff_reports, load_report
 from .repro.request import check_request as check_repro
-from .run.choices import MODES, REDUCTIONS, STACK_FAULTS, STACKS
 from .run.launch import ending_signals, launched_rank, launched_world_size, raise_pending, signal_name, signal_number
 from .run.registry import backend_names, backend_options
 from .run.setupfile import load_setup, run_setup

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import pytest
 
-from .options import RUN_OPTIONS, add_options
+from .options.spec import RUN_OPTIONS, add_options
 
 _PLUGIN_OPTIONS = [option for option in RUN_OPTIONS if option.pytest]
 
@@ -146,7 +146,7 @@ def accum_framework(request: pytest.FixtureRequest) -> str | None:
 @pytest.fixture
 def accum_device(request: pytest.FixtureRequest, accum_framework: str | None) -> str:
     """The device of this run; a run on a GPU is skipped where the framework sees none."""
-    from .options import device_kind
+    from .options.values import device_kind
     from .run.registry import default_backend, get_backend
 
     device = getattr(request, "param", "cpu")

@@ -138,7 +138,7 @@ def check_judging() -> dict:
     from accumcheck.case.reading import resolve_case
     from accumcheck.judge import build_report
     from accumcheck.judge.kernel import reduce_on_host
-    from accumcheck.run.choices import FAULT_KINDS
+    from accumcheck.options.choices import FAULT_KINDS
     from accumcheck.run.validation import configure
     from accumcheck.torch.backend import TorchBackend
     from accumcheck.torch.judging import reduce_tensors

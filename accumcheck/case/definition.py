@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AccumcheckError
-from ..run.choices import REDUCTIONS
+from ..options.choices import REDUCTIONS
 
 LAYER_TYPES = (
     "block",

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import AccumcheckError
 from ..files import MAX_CASE_BYTES, read_text
-from ..run.choices import REDUCTIONS, SEED_LIMIT
+from ..options.choices import REDUCTIONS, SEED_LIMIT
 from .definition import ACTIVATIONS, LAYER_TYPES, Case, CaseError, InputSpec, Layer
 
 MAX_NESTING = 16  # blocks within blocks; the built-in cases nest 3 deep

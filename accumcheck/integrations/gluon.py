@@ -47,7 +47,7 @@ from ..case.definition import IGNORE_LABEL
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge.stack import Coverage, stack_report
-from ..options import stack_command
+from ..options.spec import stack_command
 from ..report import StackReport
 from ..run.results import StackWindow
 from . import missing

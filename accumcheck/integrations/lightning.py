@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge.stack import stack_report
-from ..options import stack_command
+from ..options.spec import stack_command
 from ..report import StackReport
 from . import missing
 

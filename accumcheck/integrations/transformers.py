@@ -28,7 +28,7 @@ from typing import Any
 from ..case.definition import Case
 from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from ..judge.stack import stack_report
-from ..options import stack_command
+from ..options.spec import stack_command
 from ..report import StackReport
 from . import missing
 

@@ -7,9 +7,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..options import Option
+from ..options.choices import ACCUM_DTYPES
+from ..options.spec import Option
 from ..run.backend import Backend, Capabilities, Progress
-from ..run.choices import ACCUM_DTYPES
 from ..run.config import RunConfig
 from ..run.results import RunResult
 

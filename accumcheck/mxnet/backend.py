@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..errors import AccumcheckError
-from ..options import Option
+from ..options.choices import ACCUM_DTYPES, MODES
+from ..options.spec import Option
 from ..report import TrajectoryReport
 from ..run.backend import Backend, Capabilities, Progress
 from ..run.budget import TensorNeed
-from ..run.choices import ACCUM_DTYPES, MODES
 from ..run.config import RunConfig
 from ..run.results import RunResult
 

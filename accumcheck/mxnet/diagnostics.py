@@ -31,7 +31,7 @@ from ..diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
 from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
 from ..diagnostics.tensorboard import ScalarWriter, WriterOwner
 from ..errors import AccumcheckError
-from ..options import positive_float, positive_int
+from ..options.values import positive_float, positive_int
 from .hostcopy import HostCopy
 from .library import mx
 

@@ -27,9 +27,9 @@ import numpy as np
 from ..case.definition import infer_kind
 from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
 from ..judge import build_report
+from ..options.choices import MODES, REDUCTIONS
 from ..report import Report
 from ..run.backend import Progress
-from ..run.choices import MODES, REDUCTIONS
 from ..run.faults import Fault, parse_fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import FullBatchGap, ParamAccumulation, RunResult

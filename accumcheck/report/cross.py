@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import command_line
+from ..options.spec import command_line
 from .single import Report
 from .values import SCHEMA_VERSION, Serialised
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from typing import Any
 
-from ..run.choices import MODES
+from ..options.choices import MODES
 
 _SETUP_KEYS = ("world_size", "backend", "launcher", "reduce_dtype", "find_unused_parameters", "hosts", "fault_rank",
                "native", "manual", "reference", "micro_batches")

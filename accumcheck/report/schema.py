@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..bounds import UNIT_ROUNDOFF
-from ..run.choices import FAIL_ON
+from ..options.choices import FAIL_ON
 from .cross import CROSS_VERDICTS, Agreement, CrossReport, OddOneOut
 from .single import DataParallelResult, DataParallelSetup, FullBatchResult, Report
 from .stack import StackReport

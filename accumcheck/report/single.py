@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..options import command_line
+from ..options.spec import command_line
 from .tensor import KIND_ORDER, TensorResult
 from .values import SCHEMA_VERSION, Serialised
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 from ..case.definition import Case
 from ..errors import AccumcheckError
-from ..options import command_line
-from ..run.choices import FAULT_KINDS
+from ..options.choices import FAULT_KINDS
+from ..options.spec import command_line
 from ..run.config import RunConfig
 from ..run.faults import ROUNDOFF_BLOCK, SCALE_FACTOR, Fault
 

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..case.definition import LAYER_TYPES
 from ..errors import AccumcheckError
-from ..options import Option
+from ..options.choices import ACCUM_DTYPES
+from ..options.spec import Option
 from ..report import TrajectoryReport
 from .budget import TensorNeed
-from .choices import ACCUM_DTYPES
 from .config import RunConfig
 from .results import RunResult
 

@@ -21,12 +21,12 @@ MXNet's float64 oracle are not budgeted (docs/performance.md).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import AccumcheckError
 from ..files import size_text
+from ..options.values import byte_count
 
 FIXED_BYTES = 128 * 2**20
 # What a group holds, counted a quarter above what is live: glibc raises its mmap threshold to the
@@ -40,32 +40,6 @@ JUDGE_BYTES = 12
 # Parameters below float32 are also judged against float32's bound: the precision check's float64
 # temporaries (ulps of E, each mode's error, its ratios). 81 measured.
 PRECISION_JUDGE_BYTES = 96
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-EXAMPLE = "e.g. 512M, 2G, 1.5GiB or 1000000000"
-
-
-def byte_count(value: Any) -> int:
-    """A number of bytes from an integer or a text: 1000000, 512M, 2G, 1.5GiB (K, M, G, T and KiB,
-    MiB, GiB, TiB count in 1024s; KB, MB, GB, TB in 1000s). Raises ValueError saying what to write."""
-    if isinstance(value, bool):
-        number = None
-    elif isinstance(value, int):
-        number = value
-    elif isinstance(value, float) and math.isfinite(value) and value == int(value):
-        number = int(value)
-    elif isinstance(value, str) and (found := _BYTES.match(value)) and found.group(2).lower() in _UNITS:
-        count = float(found.group(1)) * _UNITS[found.group(2).lower()]
-        number = math.floor(count) if count >= 1024 or count == int(count) else None  # no fractions of a byte
-    else:
-        number = None
-    if number is None or number < 1:
-        raise ValueError(f"{value!r} is not a number of bytes ({EXAMPLE})")
-    return number
-
 
 @dataclass(frozen=True)
 class TensorNeed:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..case.definition import Case
-from ..options import RUN_OPTIONS
+from ..options.spec import RUN_OPTIONS
 from .faults import Fault
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import AccumcheckError
-from .choices import FAULT_KINDS
+from ..options.choices import FAULT_KINDS
 
 SCALE_FACTOR = 1.0 + 1e-3
 ROUNDOFF_BLOCK = 4

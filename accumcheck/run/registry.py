@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 from ..errors import AccumcheckError
-from ..options import Option
+from ..options.spec import Option
 from .backend import Backend
 
 ENTRY_POINT_GROUP = "accumcheck.backends"

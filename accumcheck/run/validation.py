@@ -15,7 +15,7 @@ from ..case.definition import Case
 from ..case.reading import resolve_case
 from ..errors import AccumcheckError
 from ..files import check_output_folder, size_text
-from ..options import OPTIONS_BY_NAME, RUN_OPTIONS, Option
+from ..options.spec import OPTIONS_BY_NAME, RUN_OPTIONS, Option
 from .backend import Backend
 from .budget import UNBUDGETED
 from .config import RunConfig

@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..options.choices import DTYPES, MODES
 from ..report import TrajectoryReport
 from ..run.backend import Backend, Capabilities, Progress
 from ..run.budget import TensorNeed
-from ..run.choices import DTYPES, MODES
 from ..run.config import RunConfig
 from ..run.results import RunResult
 

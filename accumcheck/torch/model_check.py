@@ -34,10 +34,10 @@ from ..case.definition import infer_kind
 from ..errors import USER_EXCEPTIONS, AccumcheckError
 from ..files import size_text
 from ..judge import Judge, build_report
+from ..options.choices import MODES, REDUCTIONS
 from ..report import Report
 from ..run.backend import Progress
 from ..run.budget import FIXED_BYTES, checked_budget, minimum, plan
-from ..run.choices import MODES, REDUCTIONS
 from ..run.faults import parse_fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult

@@ -15,7 +15,7 @@ from conftest import run_cli
 
 from accumcheck.api import run
 from accumcheck.cli import build_parser
-from accumcheck.options import RUN_OPTIONS
+from accumcheck.options.spec import RUN_OPTIONS
 from accumcheck.render import FORMATS, render
 from accumcheck.report import CrossReport, Report, SweepReport, load_report
 from accumcheck.run.registry import get_backend

@@ -172,6 +172,22 @@ def named_frameworks(mention: str) -> set[str]:
     return {f for f in FRAMEWORKS if f in words} | ({"mxnet"} if "mx" in words else set())
 
 
+def room_of(module: str) -> str:
+    """The folder (or root module) a module lives in: ``accumcheck.run.config`` is in ``run``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "accumcheck"
+
+
+def two_way_rooms(graph: dict[str, set[str]]) -> list[str]:
+    """Pairs of rooms each importing the other (a circle between folders, if not between modules)."""
+    edges = {(room_of(a), room_of(b)) for a, targets in graph.items() for b in targets if room_of(a) != room_of(b)}
+    return sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+
+
+def test_no_two_folders_import_each_other():
+    assert two_way_rooms(import_graph(ROOT)) == []
+
+
 def test_only_a_framework_package_or_its_integration_names_a_framework():
     offenders = {}
     for name, path in modules(ROOT).items():
@@ -244,6 +260,14 @@ def test_an_upward_import_is_found(tmp_path):
     })
     assert upward(import_graph(root)) == [
         "accumcheck.case.definition (core) -> accumcheck.torch.backend (frameworks)"]
+
+
+def test_two_folders_importing_each_other_are_found(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "", "run/__init__.py": "", "run/config.py": "from ..options import spec\n",
+        "options/__init__.py": "", "options/spec.py": "from ..run.budget import byte_count\n", "run/budget.py": "",
+    })
+    assert two_way_rooms(import_graph(root)) == ["options <-> run"]
 
 
 def test_framework_names_in_code_are_found_and_docstrings_are_not():

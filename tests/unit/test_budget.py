@@ -19,10 +19,11 @@ from accumcheck.cli import build_parser
 from accumcheck.errors import AccumcheckError
 from accumcheck.files import size_text
 from accumcheck.judge import ratio
-from accumcheck.options import OPTIONS_BY_NAME, command_line
+from accumcheck.options.spec import OPTIONS_BY_NAME, command_line
+from accumcheck.options.values import byte_count
 from accumcheck.render.text import header_lines
 from accumcheck.report import load_report
-from accumcheck.run.budget import FIXED_BYTES, JUDGE_BYTES, PRECISION_JUDGE_BYTES, TensorNeed, byte_count, minimum, plan
+from accumcheck.run.budget import FIXED_BYTES, JUDGE_BYTES, PRECISION_JUDGE_BYTES, TensorNeed, minimum, plan
 from accumcheck.run.validation import configure
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30

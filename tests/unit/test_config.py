@@ -9,7 +9,7 @@ import pytest
 
 from accumcheck.cli import build_parser
 from accumcheck.errors import AccumcheckError
-from accumcheck.options import RUN_OPTIONS, command_line
+from accumcheck.options.spec import RUN_OPTIONS, command_line
 from accumcheck.run import registry
 from accumcheck.run.config import RunConfig
 from accumcheck.run.validation import configure

@@ -14,12 +14,12 @@ from accumcheck.bounds import ModeBound
 from accumcheck.case.reading import builtin_case, builtin_case_names, parse_case
 from accumcheck.errors import AccumcheckError
 from accumcheck.judge.statistics import tensor_figures
+from accumcheck.options.choices import FAULT_KINDS
 from accumcheck.repro.request import case_arrays, check_request, repro_files, target_of, write_data
 from accumcheck.repro.script import JUDGE, check_fault_kind, fault_kinds_written, fault_source
 from accumcheck.repro.shrink import case_toml, reductions, shrink, size, smaller, still_flagged
 from accumcheck.run import registry
 from accumcheck.run.backend import Backend
-from accumcheck.run.choices import FAULT_KINDS
 from accumcheck.run.config import RunConfig
 from accumcheck.run.faults import Fault, FaultInjector, round_to_bfloat16
 

@@ -17,7 +17,7 @@ from attribution_checks import assert_explained  # noqa: E402
 
 import accumcheck  # noqa: E402
 import accumcheck.jax  # noqa: E402
-from accumcheck.run.choices import FAULT_KINDS  # noqa: E402
+from accumcheck.options.choices import FAULT_KINDS
 
 N = 16
 FAULTS = [kind for kind in FAULT_KINDS if kind != "roundoff"]

@@ -6,7 +6,7 @@ from attribution_checks import assert_explained
 
 import accumcheck
 from accumcheck.case.reading import builtin_case_names
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 FIXED = tuple(int(x) for x in mx.__version__.split(".")[:2]) >= (1, 7)  # apache/mxnet#17995

@@ -10,7 +10,7 @@ from budget_checks import assert_same_report, tightest  # noqa: E402
 
 from accumcheck.case.reading import builtin_case_names  # noqa: E402
 from accumcheck.errors import AccumcheckError  # noqa: E402
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 
 N = 8
 CASES = builtin_case_names()

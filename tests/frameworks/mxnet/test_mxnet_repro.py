@@ -7,7 +7,7 @@ import pytest
 from repro_checks import ODD_CASE, assert_reproduces, run_script, write_case_script
 
 from accumcheck.case.reading import builtin_case_names
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 
 pytest.importorskip("mxnet")
 

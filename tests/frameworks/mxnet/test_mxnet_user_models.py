@@ -9,7 +9,7 @@ import pytest
 from attribution_checks import assert_explained
 
 import accumcheck
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 
 mx = pytest.importorskip("mxnet", reason="mxnet is not installed (pip install 'accumcheck[mxnet]')")
 import accumcheck.mxnet  # noqa: E402

@@ -17,8 +17,8 @@ from budget_checks import assert_same_report, tightest  # noqa: E402
 import accumcheck.torch  # noqa: E402
 from accumcheck.case.reading import builtin_case_names  # noqa: E402
 from accumcheck.errors import AccumcheckError  # noqa: E402
+from accumcheck.options.choices import FAULT_KINDS
 from accumcheck.run.budget import minimum  # noqa: E402
-from accumcheck.run.choices import FAULT_KINDS  # noqa: E402
 from accumcheck.torch.modelstate import snapshot_bytes  # noqa: E402
 from accumcheck.torch.needs import model_needs  # noqa: E402
 

@@ -8,7 +8,7 @@ from conftest import needs_torch
 import accumcheck
 from accumcheck.bounds import ModeBound
 from accumcheck.case.reading import builtin_case_names
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 
 pytestmark = needs_torch
 CASES = builtin_case_names()

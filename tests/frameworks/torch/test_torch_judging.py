@@ -14,7 +14,7 @@ from kernel_reference import BOUNDS, assert_same, tensors
 from accumcheck.case.reading import builtin_case_names, resolve_case
 from accumcheck.judge import build_report
 from accumcheck.judge.kernel import reduce_on_host
-from accumcheck.run.choices import FAULT_KINDS
+from accumcheck.options.choices import FAULT_KINDS
 from accumcheck.run.validation import configure
 
 pytestmark = needs_torch

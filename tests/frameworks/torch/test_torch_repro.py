@@ -10,8 +10,8 @@ from repro_checks import ODD_CASE, assert_reproduces, run_script, write_case_scr
 import accumcheck
 from accumcheck import api
 from accumcheck.case.reading import builtin_case, builtin_case_names, load_case
+from accumcheck.options.choices import FAULT_KINDS
 from accumcheck.repro.shrink import size
-from accumcheck.run.choices import FAULT_KINDS
 from accumcheck.run.validation import configure
 
 pytest.importorskip("torch")

@@ -11,7 +11,7 @@ from attribution_checks import assert_explained  # noqa: E402
 from zoo import GPT, GPTConfig, ResNet18, gpt_batches, image_batches, tiny_llama, token_batches  # noqa: E402
 
 import accumcheck.torch  # noqa: E402
-from accumcheck.run.choices import FAULT_KINDS  # noqa: E402
+from accumcheck.options.choices import FAULT_KINDS
 
 N = 16
 FAULTS = [kind for kind in FAULT_KINDS if kind != "roundoff"]

@@ -1,28 +1,29 @@
-"""The one specification of accumcheck's options, shared by the command line, the pytest plugin
-and the Python API.
-
-One ``Option`` describes one setting for every way in: ``add_to(add_argument, prefix)`` puts it on
-an argparse parser (``accumcheck``'s subcommands) or a pytest option group (``--accum-*``), the
-way pytest-benchmark's ``add_display_options(addoption, prefix)`` does, and ``validate`` checks
-the same setting given as a Python value (``accumcheck.compare(...)``). A value is parsed and
-checked by the same rule on every path, and a bad one is told in one line: what was wrong and
-what to write instead. ``RUN_OPTIONS`` lists a comparison's options; ``command_line`` rebuilds
-the command that reruns one from a report's record of them. This module imports nothing heavy:
-the pytest plugin reads it at every pytest start.
-"""
+"""The options themselves: one ``Option`` per setting, shared by the command line, the pytest
+plugin and the Python API (``accumcheck.options`` says how), ``RUN_OPTIONS`` for a comparison, and
+``command_line`` and ``stack_command``, the commands that rerun a run from a report."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .run.budget import byte_count
-from .run.choices import ACCUM_DTYPES, DTYPES, FAIL_ON, FAULT_KINDS, MODES, REDUCTIONS, SEED_LIMIT
+from .choices import ACCUM_DTYPES, DTYPES, FAIL_ON, FAULT_KINDS, MODES, REDUCTIONS
+from .values import (
+    byte_count,
+    case_argument,
+    comma_list,
+    device_text,
+    fault_text,
+    framework_names,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_value,
+    text,
+)
 
 Check = Callable[[Any], Any]  # a Python value -> the value; raises ValueError saying what is wrong
-
 
 
 @dataclass(frozen=True)
@@ -99,106 +100,8 @@ def _metavar(option: Option) -> str:
     return "|".join(option.choices) if option.choices else option.flag.upper().replace("-", "_")
 
 
-# ----------------------------------------------------------------------------- value rules
-
-
-def positive_int(value: Any) -> int:
-    number = _int_or_none(value)
-    if number is None or number < 1:
-        raise ValueError(f"{value!r} is not a positive integer (e.g. 32)")
-    return number
-
-
-def non_negative_int(value: Any) -> int:
-    number = _int_or_none(value)
-    if number is None or number < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer (e.g. 0)")
-    return number
-
-
-def seed_value(value: Any) -> int:
-    number = _int_or_none(value)
-    if number is None or not 0 <= number < SEED_LIMIT:
-        raise ValueError(f"{value!r} is not a seed (an integer from 0 to 2**32 - 1, e.g. 0)")
-    return number
-
-
-def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        return int(value)
-    return None
-
-
-def positive_float(value: Any) -> float:
-    try:
-        number = float(value) if not isinstance(value, bool) else -1.0
-    except (TypeError, ValueError):
-        number = -1.0
-    if not number > 0 or number == float("inf"):
-        raise ValueError(f"{value!r} is not a positive number (e.g. 1e-3)")
-    return number
-
-
-def text(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{value!r} is not a non-empty text")
-    return value
-
-
-def comma_list(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    """A parser for a comma list whose items ``parse`` takes one by one."""
-
-    def parse_list(value: str) -> list[Any]:
-        items = [item.strip() for item in value.split(",")]
-        if not all(items):
-            raise argparse.ArgumentTypeError(f"{value!r} is not a comma list (e.g. 16,32)")
-        return [parse(item) for item in items]
-
-    return parse_list
-
-
 # ----------------------------------------------------------------------------- the run options
 # Every option of a comparison, in the order a reproduce line gives them.
-
-
-
-def device_text(value: Any) -> str:
-    """cpu, gpu, cuda, gpu:N or cuda:N."""
-    kind, _, index = text(value).partition(":")
-    if kind not in ("cpu", "gpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
-        raise ValueError(f"unknown device {value!r}; use cpu, gpu, cuda or cuda:N")
-    return value
-
-
-def device_kind(device: str) -> str:
-    """"cpu" or "gpu" (a CUDA device by any of its names)."""
-    return "cpu" if device == "cpu" else "gpu"
-
-
-def framework_names(value: Any) -> tuple[str, ...]:
-    """One framework name, or several (a comma text, a list)."""
-    items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
-    if not items or not all(isinstance(item, str) and item.strip() for item in items):
-        raise ValueError(f"{value!r} is not a framework name or a comma list of them (NAME or NAME,NAME)")
-    return tuple(item.strip() for item in items)
-
-
-def case_argument(value: Any) -> Any:
-    """A case's name or file (a Case object is taken as it is, before any check)."""
-    if isinstance(value, (str, Path)) and str(value):
-        return value
-    raise ValueError(f"{value!r} is not a case name or a case file")
-
-
-def fault_text(value: Any) -> Any:
-    """KIND[:PARAM] (a Fault object is taken as it is, before any check)."""
-    if isinstance(value, str) and value:
-        return value
-    raise ValueError(f"{value!r} is not a fault (KIND[:PARAM], KIND one of {', '.join(FAULT_KINDS)})")
 
 
 RUN_OPTIONS: tuple[Option, ...] = (
