@@ -1,5 +1,5 @@
-"""The documentation builds without a warning, lists every page, documents the Python API from its
-docstrings, and the README stays short."""
+"""The documentation builds without a warning, lists every page in four groups, documents the Python
+API from its docstrings, and the README stays short."""
 
 import html
 import os
@@ -106,6 +106,12 @@ def test_the_readme_is_short():
     """The whole file counts: complete examples live in examples/ and whole outputs in docs/."""
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_LIMIT, f"README.md is {size} bytes; move reference material into docs/"
+
+
+def test_the_nav_is_grouped_by_what_a_reader_came_for():
+    yaml = pytest.importorskip("yaml")
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert [next(iter(entry)) for entry in nav] == ["Getting started", "How-to", "Reference", "Explanation"]
 
 
 def test_the_readme_links_into_the_docs_resolve():
