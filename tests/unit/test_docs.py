@@ -51,6 +51,8 @@ def test_the_docs_build_strictly(site):
 # What the API reference must document: its heading, a word of its signature, a phrase of its docstring.
 API = [("accumcheck.compare", "case", "Report"),
        ("accumcheck.assert_faithful", "report", "AccumulationMismatch"),
+       ("accumcheck.Report", "accum_steps", "comparison"),
+       ("accumcheck.register_backend", "backend", "--framework"),
        ("accumcheck.torch.check", "accum_steps", "micro-batches"),
        ("accumcheck.torch.GradAccumulator", "compensated", "Neumaier"),
        ("accumcheck.torch.GradMonitor", "log_every", "clip_grad_norm_"),
