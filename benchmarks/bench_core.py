@@ -452,8 +452,8 @@ def table(result: dict) -> str:
     return "\n" + "\n".join(lines) + "\n"
 
 
-def readme(result: dict) -> str:
-    """The README's sentence: what `compare` costs over a plain loop, and the comparator's speed."""
+def summary(result: dict) -> str:
+    """One sentence: what `compare` costs over a plain loop, and the comparator's speed."""
     over, comp = result["overhead"], result["comparator"]
     differ, same = comp["differ"], comp["identical"]
     cores = result["machine"].get("usable_cores") or result["machine"]["cores"]
@@ -468,10 +468,10 @@ def readme(result: dict) -> str:
 
 def figures(result: dict) -> dict[str, str]:
     """The text docs/performance.md quotes from a run (the JSON this script writes), by name:
-    ``machine`` (the sentence above the table), ``table`` (a) to (e), ``readme`` (the README's
+    ``machine`` (the sentence above the table), ``table`` (a) to (e), ``summary`` (one
     sentence on (a) and (c)), and, when (e) ran,
     ``e.global`` (the reference's global micro-batches) and ``e.start`` (how the ranks start)."""
-    out = {"machine": machine_sentence(result), "table": table(result), "readme": readme(result)}
+    out = {"machine": machine_sentence(result), "table": table(result), "summary": summary(result)}
     dp = result.get("data_parallel")
     if dp is not None:
         out["e.global"] = str(dp["steps"] * dp["world"])

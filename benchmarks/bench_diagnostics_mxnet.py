@@ -18,7 +18,7 @@ A variant's ratio is the median over --reps rounds of its round time over plain'
 round. Aim: <= 1.03. The load average is recorded before and after the run.
 
 Every run writes its figures to benchmarks/results/bench_diagnostics_mxnet.json (or --json FILE);
-``figures`` renders from that file the text docs/diagnostics.md and the README quote. Importing
+``figures`` renders from that file the text docs/diagnostics.md quotes. Importing
 this module runs nothing and imports no framework.
 
     python benchmarks/bench_diagnostics_mxnet.py [--steps 100] [--chunk 10] [--reps 9] [--json out.json]
@@ -173,18 +173,18 @@ def table(result: dict) -> str:
 
 
 def figures(result: dict) -> dict[str, str]:
-    """The text docs/diagnostics.md and the README quote from a run (the JSON this script
+    """The text docs/diagnostics.md quotes from a run (the JSON this script
     writes), by name: ``command``, ``machine``, ``model``, ``plain-step`` (a step's time with
     plain clipping), ``steps`` (a variant's steps in a round, and its turns), ``table`` and
-    ``readme`` (every-100's and every-step's ratios)."""
+    ``summary`` (every-100's and every-step's ratios)."""
     model, v = result["model"], result["variants"]
     return {"command": command(result), "machine": where(result),
             "model": f"{model['blocks']} blocks, {model['parameter_tensors']} parameter tensors, "
                      f"{model['values'] / 1000:.0f}k values",
             "plain-step": f"{v['plain']['ms_per_step']:.1f} ms",
             "steps": f"{result['steps']} steps, in turns of {result['chunk']}", "table": table(result),
-            "readme": f"{v['every-100']['ratio']:.2f}× Gluon's clipping, logging every 100 steps; "
-                      f"{v['every-step']['ratio']:.2f}× every step"}
+            "summary": f"{v['every-100']['ratio']:.2f}× Gluon's clipping, logging every 100 steps; "
+                       f"{v['every-step']['ratio']:.2f}× every step"}
 
 
 def main() -> int:

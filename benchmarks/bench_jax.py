@@ -7,7 +7,7 @@ micro-steps, from fresh functions each time (so both sides compile, as a fresh p
 every tensor. The two alternate, REPS times each; the figure is the median of the rounds' ratios.
 
 Every run writes its figures to benchmarks/results/bench_jax.json (or --json FILE); ``figures``
-renders from that file the text the README quotes. Importing this module runs nothing.
+renders from that file the text docs/jax.md quotes. Importing this module runs nothing.
 
     python benchmarks/bench_jax.py [--steps 32] [--reps 7] [--json out.json]
 """
@@ -79,9 +79,9 @@ def machine() -> dict:
 
 
 def figures(result: dict) -> dict[str, str]:
-    """The README's sentence, by name ``readme``."""
+    """docs/jax.md's sentence, by name ``summary``."""
     m = result["machine"]
-    return {"readme": f"{result['ratio']:.2f}× one plain `optax.MultiSteps` loop (`{result['case']}`, "
+    return {"summary": f"{result['ratio']:.2f}× one plain `optax.MultiSteps` loop (`{result['case']}`, "
                       f"N = {result['steps']}; `benchmarks/bench_jax.py` on a {m['cores']}-core "
                       f"{cpu_family(m['cpu'])})"}
 

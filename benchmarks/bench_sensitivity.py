@@ -9,7 +9,7 @@ are the smallest alpha from which every seed is ``suspicious`` or worse, and fro
 is ``diverged`` (past the worst-case bound). No timing: the figures are exact for a seed.
 
 Every run writes benchmarks/results/bench_sensitivity.json (or --json FILE); ``figures`` renders
-the text the README and docs/maths.md quote. Importing this module runs nothing.
+the text docs/maths.md quotes. Importing this module runs nothing.
 
     python benchmarks/bench_sensitivity.py [--seeds 5] [--json out.json]
 """

@@ -7,7 +7,8 @@
 
 In the text a figure is marked ``<!--fig NAME-->text<!--/fig-->``: inline, around a number in a
 sentence, or on lines of their own around a whole console block. The markers are HTML comments,
-invisible on GitHub and in the built docs. A group is one set of runs; each returns its figures
+invisible on GitHub and in the built docs. The example programs are not figures: the docs show
+them from examples/ itself (``--8<--``). A group is one set of runs; each returns its figures
 by name, formatted as the text shows them. Timings inside console blocks (``· 1.25s``) are the
 only part compared loosely. ``benchmarks`` reads benchmarks/results/*.json, which the benchmark
 scripts write (``--json``); it checks that the text quotes the last measured run and re-measures
@@ -46,7 +47,7 @@ def hold_kernels() -> None:
     for name, value in BASELINE_KERNELS.items():
         os.environ.setdefault(name, value)
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = re.compile(r"<!--fig ([\w.\-]+)-->(.*?)<!--/fig-->", re.S)
 TIMING = re.compile(r"· \d+(\.\d+)?s\b")
@@ -454,7 +455,8 @@ def mxnet_16708_figures() -> dict[str, str]:
 
 @group("stacks", needs="lightning")
 def stack_figures() -> dict[str, str]:
-    """The training stacks: accumcheck stack on the built-in case, and the README's examples."""
+    """The training stacks: accumcheck stack on the built-in case, and what the examples print (the
+    programs themselves are shown from examples/ by the docs, never copied)."""
     figures: dict[str, str] = {}
     for stack, fault in (("transformers", None), ("transformers", "micro-batch-mean"), ("accelerate", "loss-over-n"),
                          ("lightning", None), ("gluon", "step-per-micro-batch")):
@@ -466,14 +468,7 @@ def stack_figures() -> dict[str, str]:
         out = example(path, *flags)
         figures[f"stack.example.{name}"] = console(" ".join(["python", path, *flags]), out)
         figures[f"stack.example.{name}.summary"] = f"`{summary_of(out)}`"
-        figures[f"stack.code.{name}"] = source(path)
-    figures["stack.code.trainer"] = source("examples/trainer_variable_length.py")
     return figures
-
-
-def source(path: str) -> str:
-    """A complete example, as the file holds it."""
-    return "\n```python\n" + (ROOT / path).read_text().rstrip("\n") + "\n```\n"
 
 
 @group("trainer-releases", needs="transformers")

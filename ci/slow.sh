@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The long checks, after the test suite (uses the .venv the README's test command built):
 # every figure the README and docs/ quote, regenerated from its runs and compared with the text,
-# the heaviest checks of users' own models (every fault on the ResNets and the Llama, the README's
-# test files run as written), the reproduction scripts of every built-in case and fault at the
-# case's own N in both frameworks, torchrun, JAX's every fault on every case and three frameworks on
-# every case, the judge's parallel kernel compiled into a fresh cache, and the property tests with
-# the thorough hypothesis profile (10,000 examples per property).
+# the heaviest checks of users' own models (every fault on the ResNets and the Llama, the test
+# files of the README and examples/ run as written), the reproduction scripts of every built-in
+# case and fault at the case's own N in both frameworks, torchrun, JAX's every fault on every case
+# and three frameworks on every case, the judge's parallel kernel compiled into a fresh cache, and
+# the property tests with the thorough hypothesis profile (10,000 examples per property).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -m slow -v -p no:cacheprovider tests/unit/test_figures.py

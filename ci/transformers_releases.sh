@@ -36,7 +36,7 @@ if [ "$new_rc" -ne 0 ] || [ "$(verdicts "$reports/new.json")" != "faithful faith
 fi
 grep -E "^(FAITHFUL|FLAGGED|DROPPED)" "$reports/old.txt" | cut -c1-160
 grep -E "^(FAITHFUL|FLAGGED|DROPPED)" "$reports/new.txt" | cut -c1-160
-# The figures the README quotes from these two runs.
+# The figures docs/stacks.md quotes from these two runs.
 for venv in "$old" "$new"; do
     if ! "$venv/bin/python" ci/figures.py --group trainer-releases; then
         echo "FAIL: the documentation's figures of $venv differ from its run"; failed=1
