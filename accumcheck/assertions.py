@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .render.names import shown
-from .render.text import cross_summary, num, summary_line, tensor_details
+from .render.wording import cross_summary, num, summary_line, tensor_details
 from .report import CrossReport, Report, StackReport
 
 

@@ -29,7 +29,7 @@ from .options.values import comma_list
 from .render import FORMATS, render, render_console
 from .render.plots import figures, growth, save, save_plot
 from .render.table import render_cases
-from .render.text import one_line
+from .render.wording import one_line
 from .report import Report, diff_reports, load_report
 from .repro.request import check_request as check_repro
 from .run.launch import ending_signals, launched_rank, launched_world_size, raise_pending, signal_name, signal_number

@@ -121,7 +121,7 @@ def bench_overhead(steps: int, reps: int, device: str = "cpu") -> dict:
     from accumcheck.judge import build_report
     from accumcheck.run.validation import configure
     from accumcheck.torch.backend import TorchBackend
-    from accumcheck.torch.model import build_model, case_loss
+    from accumcheck.torch.casemodel import build_model, case_loss
 
     case = resolve_case(CASE)
     dev = torch.device(device)
@@ -291,7 +291,7 @@ def _plain_ddp_rank(rank: int, world: int, folder: str, steps: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from accumcheck.case.reading import resolve_case
-    from accumcheck.torch.model import build_model, case_loss
+    from accumcheck.torch.casemodel import build_model, case_loss
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)

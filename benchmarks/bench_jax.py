@@ -32,7 +32,7 @@ def plain_loop(steps: int) -> None:
     import optax
 
     from accumcheck.case.reading import resolve_case
-    from accumcheck.jax.model import batch_arrays, case_params, grad_function
+    from accumcheck.jax.casemodel import batch_arrays, case_params, grad_function
 
     case = resolve_case(CASE)
     device = jax.devices("cpu")[0]

@@ -35,8 +35,8 @@ import torch
 import accumcheck
 from accumcheck.bounds import ModeBound
 from accumcheck.case.reading import builtin_case, builtin_case_names
-from accumcheck.torch.accumulate import case_sums
-from accumcheck.torch.model import build_model, deterministic, to_numpy
+from accumcheck.torch.casemodel import build_model, deterministic, to_numpy
+from accumcheck.torch.passes import case_sums
 
 DEV = torch.device("cuda")
 WHERE = "gpu"  # accumcheck's --device; --device cpu runs the same checks on the CPU (a dry run)

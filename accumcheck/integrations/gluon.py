@@ -56,8 +56,8 @@ try:
     from mxnet import autograd
 
     from ..mxnet.blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
+    from ..mxnet.casemodel import build_block
     from ..mxnet.library import mx
-    from ..mxnet.model import build_block
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "MXNet", "pip install 'accumcheck[mxnet]'") from None
 

@@ -36,9 +36,9 @@ from ..run.backend import Progress
 from ..run.faults import parse_fault, resolve_fault
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .accumulate import accumulate, host_float
 from .library import versions
 from .multisteps import harmonic_note, mean_allowance, settings
+from .passes import accumulate, host_float
 from .run import device_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -19,10 +19,10 @@ from ..errors import AccumcheckError
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.results import ParamAccumulation, RunResult
-from .accumulate import accumulate, host_float
-from .model import batch_arrays, case_params, grad_function
+from .casemodel import batch_arrays, case_params, grad_function
 from .multisteps import harmonic_note, mean_allowance
 from .multisteps import settings as multisteps_settings
+from .passes import accumulate, host_float
 
 
 def resolve_device(device: str) -> Any:

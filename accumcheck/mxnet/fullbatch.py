@@ -11,8 +11,8 @@ import numpy as np
 from ..case.definition import IGNORE_LABEL, Case
 from ..run.backend import Progress
 from ..run.results import FullBatchGap, window_scale
+from .casemodel import case_loss
 from .library import mx
-from .model import case_loss
 from .passes import case_step, micro_steps, native_pass, prepared
 
 
@@ -26,8 +26,8 @@ def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int,
     except mx.base.MXNetError as exc:
         reason = str(exc).strip().splitlines()[0][:160]
     try:
+        from ..torch.casemodel import deterministic, isolated, resolve_device
         from ..torch.fullbatch import full_batch_gap as torch_gap
-        from ..torch.model import deterministic, isolated, resolve_device
     except ImportError:
         return None, f"none: MXNet float64 failed ({reason}) and torch is not installed"
     dev = resolve_device("cpu" if device == "cpu" else "cuda")

@@ -18,8 +18,8 @@ from ..case.definition import Case
 from ..judge.hostsums import add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector, round_to_bfloat16
+from .casemodel import build_block, case_loss
 from .library import mx
-from .model import build_block, case_loss
 
 # A step function runs one micro-step's forward under autograd.record() and returns (loss, output).
 StepFn = Callable[[int], tuple[Any, Any]]

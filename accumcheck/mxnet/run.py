@@ -14,9 +14,9 @@ from ..run.budget import TensorNeed, element_bytes, need
 from ..run.config import RunConfig
 from ..run.results import ParamAccumulation, RunResult
 from .accumulator import accumulator_pass
+from .casemodel import float16_on_cpu, resolve_context
 from .fullbatch import full_batch_gap
 from .library import mx
-from .model import float16_on_cpu, resolve_context
 from .passes import case_step, manual_pass, micro_steps, native_pass, prepared, set_grad_req
 
 # With grad_req='add' MXNet's backward kernels write into the gradient with kAddTo: the embedding

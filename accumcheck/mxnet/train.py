@@ -23,8 +23,8 @@ from ..report import TrajectoryReport
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.trajectory import Trajectory
+from .casemodel import resolve_context
 from .library import mx
-from .model import resolve_context
 from .passes import StepFn, case_step, manual_pass, native_pass, prepared
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..report import CrossReport, Report, SweepReport, TensorResult
 from .names import shown
 from .plots import growth, heatmaps, png_bytes, scatter
-from .text import (
+from .wording import (
     cause_words,
     cross_summary,
     forward_lines,

@@ -7,7 +7,7 @@ import re
 
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
 from .names import shown
-from .text import (
+from .wording import (
     STACK_COLUMNS,
     cause_words,
     cross_summary,

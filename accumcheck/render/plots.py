@@ -14,7 +14,7 @@ import numpy as np
 from ..files import check_replaceable, safe_file_name
 from ..report import Report, TensorResult, TrajectoryReport, growth_rows
 from .names import shown
-from .text import decisive, marginal, suspicious
+from .wording import decisive, marginal, suspicious
 
 KIND_COLOURS = {"embedding": "#d62728", "weight": "#1f77b4", "bias": "#2ca02c", "norm": "#9467bd"}
 FLAGGED_COLOUR = "#8b0000"

@@ -15,7 +15,7 @@ from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, 
 from .fit import Col, Layout, command_lines, fitted
 from .legend import legend
 from .names import printable, shown
-from .text import (
+from .wording import (
     STACK_COLUMNS,
     cause_words,
     cross_summary,

@@ -56,8 +56,8 @@ from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.launch import launched_world_size, raise_pending
 from ..run.results import ParamAccumulation, RankAccumulation, RunResult
-from .accumulate import accumulate, case_sums
-from .model import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
+from .casemodel import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
+from .passes import accumulate, case_sums
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 # A rank waits this long for the others at a collective before giving up (the single-process

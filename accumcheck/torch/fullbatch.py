@@ -11,8 +11,8 @@ import torch
 from ..case.definition import IGNORE_LABEL, Case
 from ..run.backend import Progress
 from ..run.results import FullBatchGap, window_scale
-from .accumulate import case_sums
-from .model import build_model, case_loss, to_inputs, to_numpy
+from .casemodel import build_model, case_loss, to_inputs, to_numpy
+from .passes import case_sums
 
 
 def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int, dev: Any,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..judge.kernel import Reduction, combine
-from .model import to_numpy
+from .casemodel import to_numpy
 
 SLICE = 1 << 24  # elements reduced at once: a few float64 temporaries of 128 MiB at most
 _BITS = {torch.float32: (torch.int32, -(2 ** 31)), torch.float64: (torch.int64, -(2 ** 63))}

@@ -42,12 +42,12 @@ from ..run.faults import parse_fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .accumulate import accumulate
+from .casemodel import deterministic, isolated, to_numpy
 from .judging import device_arrays, judged_on_device
-from .model import deterministic, isolated, to_numpy
 from .model_fullbatch import full_batch_gap
 from .modelstate import ModelState, snapshot_bytes
 from .needs import model_needs
+from .passes import accumulate
 from .userbatch import backward_error, micro_loss, to_device
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

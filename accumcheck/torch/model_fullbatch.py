@@ -11,8 +11,8 @@ import torch
 from ..errors import USER_EXCEPTIONS, AccumcheckError
 from ..run.backend import Progress
 from ..run.results import FullBatchGap, window_scale
-from .accumulate import accumulate
-from .model import to_numpy
+from .casemodel import to_numpy
+from .passes import accumulate
 from .userbatch import backward_error, item_count, join, micro_loss, to_device
 
 

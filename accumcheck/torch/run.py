@@ -12,10 +12,10 @@ from ..case.definition import Case
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.results import ParamAccumulation, RunResult
-from .accumulate import case_sums
+from .casemodel import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 from .fullbatch import full_batch_gap
 from .judging import device_arrays, judged_on_device
-from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
+from .passes import case_sums
 
 
 def run_single(config: RunConfig, versions: dict[str, str], progress: Progress | None = None,

@@ -21,8 +21,8 @@ from ..report import TrajectoryReport
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.trajectory import Trajectory
-from .accumulate import accumulate
-from .model import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
+from .casemodel import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
+from .passes import accumulate
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 

@@ -21,7 +21,7 @@ from accumcheck.files import size_text
 from accumcheck.judge import ratio
 from accumcheck.options.spec import OPTIONS_BY_NAME, command_line
 from accumcheck.options.values import byte_count
-from accumcheck.render.text import header_lines
+from accumcheck.render.wording import header_lines
 from accumcheck.report import load_report
 from accumcheck.run.budget import FIXED_BYTES, JUDGE_BYTES, PRECISION_JUDGE_BYTES, TensorNeed, minimum, plan
 from accumcheck.run.validation import configure

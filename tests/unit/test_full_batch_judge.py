@@ -11,7 +11,7 @@ from accumcheck.case.reading import builtin_case
 from accumcheck.judge import FACTOR_TOLERANCE, build_report, full_batch_verdict
 from accumcheck.judge.fullbatch import factor_candidates, run_figures
 from accumcheck.render.markdown import markdown
-from accumcheck.render.text import full_batch_line, summary_line
+from accumcheck.render.wording import full_batch_line, summary_line
 from accumcheck.report import FullBatchResult
 from accumcheck.report.values import decode, encode
 from accumcheck.run.results import FullBatchGap, ParamAccumulation, RunResult

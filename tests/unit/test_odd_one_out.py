@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from accumcheck.judge.agreement import odd_one_out
-from accumcheck.render.text import cross_summary, forward_lines, odd_one_out_sentence, odd_one_out_sentences
+from accumcheck.render.wording import cross_summary, forward_lines, odd_one_out_sentence, odd_one_out_sentences
 from accumcheck.report import Agreement, CrossReport, ForwardAgreement, OddOneOut
 
 

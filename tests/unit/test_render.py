@@ -16,7 +16,7 @@ from accumcheck.render.html import html_report
 from accumcheck.render.markdown import markdown
 from accumcheck.render.plots import FLAGGED_COLOUR, SUSPICIOUS_COLOUR, growth, heatmaps, scatter, trajectory
 from accumcheck.render.table import rich_table, table_text
-from accumcheck.render.text import summary_line, tensor_details
+from accumcheck.render.wording import summary_line, tensor_details
 from accumcheck.report import Cause, Report, TensorResult, TrajectoryReport
 
 

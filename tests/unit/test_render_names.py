@@ -25,7 +25,7 @@ from accumcheck.render.markdown import markdown
 from accumcheck.render.names import printable, shown
 from accumcheck.render.plots import growth, heatmaps, scatter, trajectory
 from accumcheck.render.table import render_cases
-from accumcheck.render.text import one_line, summary_line, tensor_details
+from accumcheck.render.wording import one_line, summary_line, tensor_details
 from accumcheck.report import FullBatchResult, StackReport, StackStep, TrajectoryReport, diff_reports, load_report
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reports-0.1.0"

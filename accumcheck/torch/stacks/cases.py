@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ...case.definition import Case
 from ...errors import AccumcheckError
-from ..model import build_model
+from ..casemodel import build_model
 from ..userbatch import IGNORE_INDEX, item_count
 
 FAULTS = ("micro-batch-mean", "loss-over-n")

@@ -23,7 +23,7 @@ from ...errors import AccumcheckError
 from ...judge.stack import Coverage
 from ...run.results import StackWindow
 from ...run.usermodel import map_leaves
-from ..model import to_numpy
+from ..casemodel import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
 
 _DROPOUT_WORDS = ("dropout", "pdrop")

@@ -175,7 +175,7 @@ def test_a_jax_that_computes_another_function_is_named(monkeypatch):
     """Negative control for the agreement: JAX's dense layer off by one part in 10^4."""
     pytest.importorskip("torch")
     pytest.importorskip("mxnet")
-    from accumcheck.jax import model
+    from accumcheck.jax import casemodel as model
 
     dense = model.JaxOps.dense
     monkeypatch.setattr(model, "_COMPILED", {})  # functions compiled before the patch would not see it

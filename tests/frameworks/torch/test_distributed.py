@@ -50,7 +50,7 @@ def test_a_fault_on_one_rank_is_flagged_and_the_rank_named(kind):
     assert ranks[0].flagged == [] and ranks[1].flagged == ["shared.weight"]
     assert not report.data_parallel.ranks_agree
     from accumcheck.render import render
-    from accumcheck.render.text import summary_line
+    from accumcheck.render.wording import summary_line
 
     assert "shared.weight (weight, diverged" in summary_line(report) and "rank 1)" in summary_line(report)
     text = render(report, "table")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from accumcheck.torch.accumulate import HELD_STEPS, StepRecorder  # noqa: E402
+from accumcheck.torch.passes import HELD_STEPS, StepRecorder  # noqa: E402
 
 
 def _micro_gradients(shapes: dict, steps: int, seed: int) -> list[dict]:
@@ -61,7 +61,7 @@ def test_every_step_is_added_in_order_on_every_path(steps, accum):
 
 
 def test_a_model_too_large_for_the_ring_adds_step_by_step():
-    from accumcheck.torch.accumulate import HELD_BYTES
+    from accumcheck.torch.passes import HELD_BYTES
 
     big = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS) + 1, requires_grad=True)}
     small = {"weight": torch.zeros(HELD_BYTES // (4 * HELD_STEPS), requires_grad=True)}
@@ -72,7 +72,7 @@ def test_a_model_too_large_for_the_ring_adds_step_by_step():
 def test_held_micro_gradients_are_the_ones_autograd_handed_out(hold_refs):
     """Real backward passes, .grad accumulating: a held micro-gradient stays as it was while the
     later steps run (AccumulateGrad must not adopt it as .grad and add into it)."""
-    from accumcheck.torch.accumulate import accumulate
+    from accumcheck.torch.passes import accumulate
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 9, generator=gen, requires_grad=True)

@@ -126,7 +126,7 @@ def test_deterministic_algorithms_are_on_for_the_run_and_torchinductor_is_left_a
 
     script = """
 import sys, torch
-from accumcheck.torch.model import deterministic
+from accumcheck.torch.casemodel import deterministic
 with deterministic(torch.device("cpu")) as settings:
     assert torch.are_deterministic_algorithms_enabled() and settings["deterministic_algorithms"]
     assert not torch.backends.cuda.matmul.allow_tf32
@@ -143,7 +143,7 @@ def test_fresh_allocations_are_not_filled_during_the_run_and_the_setting_comes_b
     import torch
     import torch.utils.deterministic
 
-    from accumcheck.torch.model import deterministic
+    from accumcheck.torch.casemodel import deterministic
 
     before = torch.utils.deterministic.fill_uninitialized_memory
     torch.utils.deterministic.fill_uninitialized_memory = found

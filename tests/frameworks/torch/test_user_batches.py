@@ -99,7 +99,7 @@ def test_unused_and_conditional_parameters_are_reported_not_crashed_on():
     verdicts = {t.name: t for t in report.tensors}
     assert verdicts["unused.weight"].verdict == "no-gradient" and verdicts["unused.bias"].verdict == "no-gradient"
     assert verdicts["sometimes.weight"].steps_with_grad == taken and verdicts["fc.weight"].steps_with_grad is None
-    assert report.exit_code == 0 and "2 no gradient" in accumcheck.render.text.summary_line(report)
+    assert report.exit_code == 0 and "2 no gradient" in accumcheck.render.wording.summary_line(report)
     faulty = accumcheck.torch.check(model, ce, pairs, accum_steps=N, inject="drop-step:sometimes.weight")
     assert [t.name for t in faulty.flagged] in ([], ["sometimes.weight"])  # flagged when step N/2 had a gradient
     assert bool([t.name for t in faulty.flagged]) == bool(pairs[N // 2][0][0, 0] > 0)
@@ -124,7 +124,7 @@ def test_an_overflowing_scaled_step_is_a_skipped_step_not_a_divergence():
     report = accumcheck.torch.check(model, ce, pairs, accum_steps=N, grad_scaler=huge)
     overflowed = [t.name for t in report.tensors if t.verdict == "overflow"]
     assert overflowed and report.exit_code == 0 and not report.flagged
-    line = accumcheck.render.text.summary_line(report)
+    line = accumcheck.render.wording.summary_line(report)
     assert line.startswith("SKIPPED STEP") and "GradScaler skips this optimizer step" in line
     # Without a scaler the same infinities are a finding.
     class Blowup(TwoInputs):

@@ -24,7 +24,7 @@ from ..judge.hostsums import add_held, add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector
 from .accumulator import GradAccumulator
-from .model import case_loss, to_inputs
+from .casemodel import case_loss, to_inputs
 
 # On the CPU, eight micro-steps are held and added in one pass, as long as they take no more than
 # HELD_BYTES: eight separate passes would read and write manual, E and S eight times.
