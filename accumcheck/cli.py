@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-steps (default: the setup's accum_steps, else every batch)")
     check.add_argument("--inject", metavar="KIND[:PARAM]", help="perturb the native accumulation to prove the check fires")
     check.add_argument("--oracle", action="store_true", default=None, help="also run a float64 copy of the model")
-    check.add_argument("--mode", choices=MODES, help="what fills the native slot (torch)")
+    check.add_argument("--mode", choices=MODES, help="what fills the native slot (torch, mxnet)")
     check.add_argument("--full-batch", action="store_true", default=None,
-                       help="also compare with the micro-batches joined into one batch (float64; torch)")
+                       help="also compare with the micro-batches joined into one batch (float64; torch, mxnet)")
     check.add_argument("--loss-reduction", choices=REDUCTIONS,
                        help="how the loop normalises the window, for --full-batch (mean: divides by N)")
     check.add_argument("--train-mode", action="store_true", default=None,

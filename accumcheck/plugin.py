@@ -193,19 +193,22 @@ def accum_compare(request: pytest.FixtureRequest, accum_framework: str | None, a
 @pytest.fixture
 def accum_check(request: pytest.FixtureRequest, accum_steps: int | None) -> Callable[..., Any]:
     """``accum_check(model, loss_fn=None, batches=..., **kwargs)``: your own model's check
-    (``accumcheck.<framework>.check``, the framework told by the model's class) at this run's
-    steps (--accum-steps; ``accum_steps=`` when not given, default 16); the report is saved under
-    --accum-report when given."""
-    import inspect
-
+    (``accumcheck.<framework>.check``, the framework told by the model's class; JAX's
+    ``accum_check(params, loss_fn, batches)``) at this run's steps (--accum-steps;
+    ``accum_steps=`` when not given, default 16), with --accum-memory-budget where that check
+    honours a budget; the report is saved under --accum-report when given."""
     from .run.budget import UNBUDGETED
+    from .run.checkargs import shape_of
     from .run.setupfile import user_check
 
     budget = request.config.getoption("--accum-memory-budget")
 
     def check(model: Any, *args: Any, **kwargs: Any) -> Any:
         fn = user_check(model, "accum_check", args[0] if args else kwargs.get("params"))[1]
-        if budget and "memory_budget" in inspect.signature(fn).parameters and not any(
+        shape = shape_of(fn)
+        if shape is not None:
+            shape.refuse_renamed(kwargs, "accum_check")
+        if budget and shape is not None and "memory_budget" in shape.honoured and not any(
                 kwargs.get(name) for name in UNBUDGETED):
             kwargs.setdefault("memory_budget", budget)
         return fn(model, *args, **kwargs)

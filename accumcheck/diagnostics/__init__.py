@@ -7,6 +7,8 @@
 - An anomaly trigger (clipping scale below a threshold, or a non-finite gradient) and a dominance
   report naming the parameters that dominate the gradient norm.
 - TensorBoard scalars through any writer with ``add_scalar`` (the standard SummaryWriter).
+- The monitors' lifecycle, written once for both (``monitor.GradMonitorBase``): the arguments,
+  the logged steps and windows, the reports, the statistics written in batches, the writer.
 
 The normal path never waits for the device: flags and statistics are copied to the host without
 blocking and read once they have arrived, usually at the next step.

@@ -2,7 +2,7 @@
 model's check. Public as ``accumcheck.jax``:
 
     import accumcheck.jax
-    report = accumcheck.jax.check(loss_fn, params, batches, accum_steps=16)  # loss_fn(params, batch)
+    report = accumcheck.jax.check(params, loss_fn, batches, accum_steps=16)  # loss_fn(params, batch)
     accumcheck.assert_faithful(report)
 
 Importing this package does not import JAX; using ``check`` does.

@@ -1,18 +1,18 @@
 """Check gradient accumulation on your own JAX model.
 
     import accumcheck.jax
-    report = accumcheck.jax.check(loss_fn, params, batches, accum_steps=16)
+    report = accumcheck.jax.check(params, loss_fn, batches, accum_steps=16)
     accumcheck.assert_faithful(report)
 
-``loss_fn(params, batch)`` returns the scalar loss; ``params`` is any pytree of float arrays
-(flax's and haiku's nested dicts, lists, tuples). One gradient per micro-batch
-(``jax.value_and_grad(loss_fn)``, jit-compiled unless ``jit=False``) feeds both modes:
-``optax.MultiSteps(optax.sgd(1.0), every_k_schedule=N)`` initialised on your parameters (its
-accumulator in their dtypes) and a float32 buffer added with ``tree_map`` (float64 for float64
-parameters), with float64 sums E and S on the host. Each parameter array is judged as
-``accumcheck compare --framework jax`` judges a case. Your params (NumPy arrays among them, by
-value, also those your code edits), batches, JAX's x64 flag and Python's and NumPy's random
-states are left as found, also when the check raises.
+``params`` is any pytree of float arrays (flax's and haiku's nested dicts, lists, tuples): what is
+checked, in the place of the model of the other frameworks' checks; ``loss_fn(params, batch)``
+returns the scalar loss. One gradient per micro-batch (``jax.value_and_grad(loss_fn)``,
+jit-compiled unless ``jit=False``) feeds both modes: ``optax.MultiSteps(optax.sgd(1.0),
+every_k_schedule=N)`` initialised on your parameters (its accumulator in their dtypes) and a
+float32 buffer added with ``tree_map`` (float64 for float64 parameters), with float64 sums E and S
+on the host. Each parameter array is judged as ``accumcheck compare --framework jax`` judges a
+case. Your params (NumPy arrays among them, by value, also those your code edits), batches, JAX's
+x64 flag and Python's and NumPy's random states are left as found, also when the check raises.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserC
 from ..judge import build_report
 from ..report import Report
 from ..run.backend import Progress
-from ..run.faults import parse_fault, resolve_fault
+from ..run.checkargs import CheckShape
+from ..run.faults import Fault, resolve_fault
+from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
 from .library import versions
@@ -42,39 +44,82 @@ from .passes import accumulate, host_float
 from .run import device_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The shared options it honours; the others are refused when given. None as loss_reduction: "mean",
+# the scalar loss of each micro-batch that MultiSteps averages (it takes no other value here).
+SHAPE = CheckShape(
+    "accumcheck.jax.check", frozenset(("device", "oracle", "inject", "force", "progress")), reduction="mean",
+    why_not={"step": "loss_fn(params, batch) is the step: it computes the loss itself",
+             "mode": "optax.MultiSteps is the one native accumulation it checks",
+             "full_batch": "it runs no full-batch reference", "collate": "it runs no full-batch reference",
+             "loss_reduction": "it describes the loop for full_batch, which it does not run",
+             "train_mode": "loss_fn(params, batch) is a pure function: it has no training mode",
+             "memory_budget": "it runs every parameter at once"})
 LossFn = Callable[[Any, Batch], Any]
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 
 
-def check(loss_fn: LossFn, params: Any, batches: Batches, accum_steps: int | None = None, *, oracle: bool = False,
-          inject: str | None = None, progress: Progress | None = None, jit: bool = True,
-          grad_mean: bool = True) -> Report:
+def check(params: Any, loss_fn: LossFn | None = None, batches: Batches | None = None,
+          accum_steps: int | None = None, *, device: Any = None, step: Any = None, mode: str = "native",
+          oracle: bool = False, inject: str | None = None, full_batch: bool = False, collate: Any = None,
+          loss_reduction: str | None = None, train_mode: bool = False, memory_budget: int | str | None = None,
+          force: bool = False, progress: Progress | None = None, jit: bool = True, grad_mean: bool = True) -> Report:
     """Accumulate ``accum_steps`` micro-batches with optax.MultiSteps and by hand, and judge every
     parameter array.
 
     ``batches`` is a sequence or iterable (the first ``accum_steps`` are used; default all) or a
     function of the micro-step index; each batch is passed to ``loss_fn`` as it is. ``params``'
     arrays may be float32, bfloat16, float16 or float64 (mixed: each judged by its own dtype);
-    float64 ones run under ``jax.experimental.enable_x64()`` for the check only. ``grad_mean`` is
-    MultiSteps' ``use_grad_mean`` (its running mean, optax's default, or a running sum).
-    ``oracle`` also runs ``loss_fn`` on a float64 copy of params (JAX's x64 mode for that pass
-    only). ``inject`` (e.g. ``"scale"``, ``"drop-step:params.Dense_0.kernel"``) perturbs the
-    native accumulation to prove the check fires. Returns a Report; raises, in one line,
-    AccumcheckError for bad input, UserCodeError for an exception raised by ``loss_fn`` or the
-    batches (SystemExit too), NothingJudgedError when no array received a gradient.
+    float64 ones run under ``jax.experimental.enable_x64()`` for the check only.
+
+    It takes the call shape every framework's check shares (``accumcheck.run.checkargs``) and
+    honours ``device``, ``oracle``, ``inject``, ``force`` and ``progress``; ``step``, ``mode``
+    other than "native", ``full_batch``, ``collate``, ``loss_reduction``, ``train_mode`` and
+    ``memory_budget`` are refused when given (``loss_fn`` is the step; MultiSteps is the one
+    native mode; a pure function has no training mode). ``device`` ("cpu", "gpu", "gpu:N",
+    "cuda:N" or a jax device) is where params' jax arrays must be; NumPy arrays are put there.
+    ``grad_mean`` is MultiSteps' ``use_grad_mean`` (its running mean, optax's default, or a
+    running sum). ``oracle`` also runs ``loss_fn`` on a float64 copy of params (JAX's x64 mode for
+    that pass only). ``inject`` (e.g. ``"scale"``, ``"drop-step:params.Dense_0.kernel"``) perturbs
+    the native accumulation to prove the check fires. A check that would need more memory beside
+    params than is available is refused unless ``force``. Returns a Report; raises, in one line,
+    AccumcheckError for bad input (the order of JAX's former ``check(loss_fn, params, batches)``
+    among it), UserCodeError for an exception raised by ``loss_fn`` or the batches (SystemExit
+    too), NothingJudgedError when no array received a gradient.
     """
     started = time.perf_counter()
-    _check_arguments(loss_fn, batches, oracle, inject, jit, grad_mean)
+    if callable(params) and not callable(loss_fn):
+        raise AccumcheckError("check: accumcheck.jax.check takes check(params, loss_fn, batches): the parameters "
+                              "first (what is checked, where the other frameworks' checks take the model), then "
+                              "loss_fn(params, batch); swap the first two arguments")
+    if loss_fn is None:
+        raise AccumcheckError("check: loss_fn is missing; pass loss_fn(params, batch) -> the scalar loss, as "
+                              "check(params, loss_fn, batches)")
+    shared = SHAPE.validate(loss_fn=loss_fn, batches=batches, accum_steps=accum_steps, device=device, step=step,
+                            mode=mode, oracle=oracle, inject=inject, full_batch=full_batch, collate=collate,
+                            loss_reduction=loss_reduction, train_mode=train_mode, memory_budget=memory_budget,
+                            force=force, progress=progress)
+    for name, value in (("jit", jit), ("grad_mean", grad_mean)):
+        if not isinstance(value, bool):
+            raise AccumcheckError(f"check: {name} must be True or False, got {value!r}")
     tree = ParamTree(params)
+    if device is not None:
+        tree.place(_jax_device(device))
+    check_resources(estimate_model(sum(int(np.prod(leaf.shape)) for leaf in tree.leaves), oracle), "check",
+                    force=force)
     with host_random_states(), tree.kept():
-        return _check(loss_fn, tree, batches, accum_steps, oracle, inject, progress, jit, grad_mean, started)
+        return _check(loss_fn, tree, batches, accum_steps, oracle, inject, shared.fault, progress, jit, grad_mean,
+                      started)
+
+
+check.shape = SHAPE  # type: ignore[attr-defined]  # what the setup file and the plugin read (checkargs.shape_of)
 
 
 def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int | None, oracle: bool,
-           inject: str | None, progress: Progress | None, jit: bool, grad_mean: bool, started: float) -> Report:
+           inject: str | None, fault: Fault | None, progress: Progress | None, jit: bool, grad_mean: bool,
+           started: float) -> Report:
     """check's run, its arguments known to be right."""
     get_batch, steps = batch_source(batches, accum_steps)
-    fault = resolve_fault(parse_fault(inject), list(tree.kinds.items()), steps) if inject is not None else None
+    fault = resolve_fault(fault, list(tree.kinds.items()), steps) if fault is not None else None
     wide = tree.wide
     with wide():
         flat = tree.arrays()
@@ -133,6 +178,17 @@ class ParamTree:
         self.param_dtype = max(counts, key=counts.__getitem__)  # the most common; each judged by its own
         # The manual buffer: float32, or float64 where any parameter is float64 (then in JAX's x64 mode).
         self.accum_dtype = "float64" if "float64" in counts else "float32"
+        self.device: Any = None  # where ``arrays`` puts them (None: where they are, NumPy ones on the default)
+
+    def place(self, device: Any) -> None:
+        """Run on ``device``: params' jax arrays must be there already (as a model must be on the
+        device PyTorch's check names); NumPy arrays are put there."""
+        on = {device_name(d) for leaf in self.leaves if isinstance(leaf, jax.Array) for d in leaf.devices()}
+        elsewhere = sorted(on - {device_name(device)})
+        if elsewhere:
+            raise AccumcheckError(f"check: params' arrays are on {', '.join(elsewhere)}, not {device_name(device)}; "
+                                  f"pass device={elsewhere[0]!r}, or jax.device_put(params, device) first")
+        self.device = device
 
     def wide(self) -> Any:
         """JAX's x64 mode where a parameter is float64 (a context: switched back on leaving it)."""
@@ -142,8 +198,9 @@ class ParamTree:
         """name -> the leaf as a jax array, in its own dtype or ``dtype`` (new arrays; the user's
         stay as they are). A NumPy leaf is copied: on the CPU ``jnp.asarray`` would share its
         memory, which the user's code could then change under the check."""
-        return {name: jnp.array(leaf, dtype=dtype or leaf.dtype, copy=True) if isinstance(leaf, np.ndarray)
-                else jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
+        arrays = {name: jnp.array(leaf, dtype=dtype or leaf.dtype, copy=True) if isinstance(leaf, np.ndarray)
+                  else jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
+        return arrays if self.device is None else jax.device_put(arrays, self.device)
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
@@ -312,18 +369,23 @@ def _replay(micro: MicroSteps, wide: Callable[[], Any], steps: int, progress: Pr
             progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
 
 
-def _check_arguments(loss_fn: Any, batches: Any, oracle: Any, inject: Any, jit: Any, grad_mean: Any) -> None:
-    if not callable(loss_fn):
-        raise AccumcheckError(f"check: loss_fn must be a function loss_fn(params, batch) -> scalar loss, got a "
-                              f"{type(loss_fn).__name__} (the JAX order is check(loss_fn, params, batches))")
-    if batches is None:
-        raise AccumcheckError("check: batches is missing; pass the micro-batches (a sequence, an iterable or a "
-                              "function of the micro-step index)")
-    for name, value in (("oracle", oracle), ("jit", jit), ("grad_mean", grad_mean)):
-        if not isinstance(value, bool):
-            raise AccumcheckError(f"check: {name} must be True or False, got {value!r}")
-    if inject is not None and not isinstance(inject, str):
-        raise AccumcheckError(f"check: inject must be a text such as 'scale' or 'drop-step:NAME', got {inject!r}")
+def _jax_device(device: Any) -> Any:
+    """The jax device ``device`` names: a jax device, or "cpu", "gpu", "cuda", "gpu:N", "cuda:N"."""
+    if hasattr(device, "platform") and hasattr(device, "id"):
+        return device
+    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind not in ("cpu", "gpu", "cuda") or (index and not index.isdigit()):
+        raise AccumcheckError(f"check: device {device!r} is not a device name (cpu, gpu, cuda, gpu:N, cuda:N) or a "
+                              "jax device")
+    platform = "cpu" if kind == "cpu" else "gpu"
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        devices = []
+    if int(index or 0) >= len(devices):
+        raise AccumcheckError(f"check: device {device!r}: jax {jax.__version__} sees {len(devices)} {platform} "
+                              "device(s) here; pass one it sees, or leave device out")
+    return devices[int(index or 0)]
 
 
 def _device(flat: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 ``accumcheck.mxnet``:
 
     import accumcheck.mxnet
-    report = accumcheck.mxnet.check(net, loss_fn, batches, accum_steps=16, ctx=mx.cpu())
+    report = accumcheck.mxnet.check(net, loss_fn, batches, accum_steps=16, device=mx.cpu())
     monitor = accumcheck.mxnet.GradMonitor(net, writer="runs/x")   # gradient diagnostics
     acc = accumcheck.mxnet.GradAccumulator(net, compensated=True)
 

@@ -28,14 +28,12 @@ from typing import Any
 import numpy as np
 
 from ..diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
+from ..diagnostics.monitor import LOG, GradMonitorBase, checked
 from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ..diagnostics.tensorboard import ScalarWriter, WriterOwner
 from ..errors import AccumcheckError
-from ..options.values import positive_float, positive_int
+from ..options.values import positive_float
 from .hostcopy import HostCopy
 from .library import mx
-
-LOG = logging.getLogger("accumcheck.diagnostics")
 
 
 def _named(params: Any) -> list[tuple[str, Any]]:
@@ -139,9 +137,10 @@ def named_parameters(source: Any) -> list[tuple[str, Any]]:
     return [(name, p) for name, p in pairs if p.grad_req != "null"]
 
 
-class GradMonitor(WriterOwner):
+class GradMonitor(GradMonitorBase):
     """Per-layer gradient statistics, a drop-in ``gluon.utils.clip_global_norm``, and the
-    dominance report: accumcheck.torch.diagnostics.GradMonitor for Gluon.
+    dominance report: accumcheck.torch.diagnostics.GradMonitor for Gluon, with the same lifecycle
+    (``accumcheck.diagnostics.monitor``: arguments, logged steps, reports, writing, the writer).
 
     ``source``: a Block, a ParameterDict, (name, Parameter) pairs or Parameters; parameters with
     grad_req='null' are left out. ``layers``: which layers to log ("all", indices over the
@@ -150,42 +149,20 @@ class GradMonitor(WriterOwner):
     writer there and closes it in ``close()``). Statistics of the gradients before clipping are
     logged every ``log_every`` steps, or every step while a window opened by ``enable`` lasts;
     they reach the writer in batches: once ``WRITE_EVERY`` steps wait or the oldest is
-    ``log_every`` (at least ``WRITE_EVERY``) steps old, at once after a dominance report, and
-    at ``flush()``/``close()``. A step whose clipping scale falls below ``clip_threshold``, or
-    whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
-    as a warning and kept in ``reports``. ``ctx``: the context whose gradients to clip, for
-    parameters on several contexts.
+    ``WRITE_EVERY`` steps old, at once after a dominance report, and at ``flush()``/``close()``.
+    A step whose clipping scale falls below ``clip_threshold``, or whose gradient norm is not
+    finite, gets a dominance report of ``top_k`` parameters, logged as a warning and kept in
+    ``reports``. ``ctx``: the context whose gradients to clip, for parameters on several contexts.
     """
 
-    TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
-    WRITE_EVERY = 10  # steps: the host's share of the statistics is done for a batch of steps at a time
+    NO_PARAMETERS = "no parameter has a gradient (all have grad_req='null'); pass the parameters you train"
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG, ctx: Any = None) -> None:
-        log_every, top_k = _checked("log_every", log_every, positive_int), _checked("top_k", top_k, positive_int)
-        clip_threshold = _checked("clip_threshold", clip_threshold, positive_float)
-        pairs = named_parameters(source)
-        if not pairs:
-            raise AccumcheckError("GradMonitor: no parameter has a gradient (all have grad_req='null'); "
-                                  "pass the parameters you train")
-        self.names = [n for n, _ in pairs]
-        self.params = [p for _, p in pairs]
-        groups, _ = layer_groups(self.names)
-        self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
-        self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
-        self._take_writer(writer)
-        self.log_every, self.clip_threshold, self.top_k, self.logger, self.ctx = (
-            log_every, clip_threshold, top_k, logger, ctx)
-        self.step = 0
-        self.window_end = -1
-        self.reports: list[DominanceReport] = []
+        super().__init__(named_parameters(source), layers, writer, log_every, clip_threshold, top_k, logger)
+        self.ctx = ctx
         self._rows = _LayerRows(self.layers, len(self.params))
-        self._pending: list[HostCopy] = []
-        self._unwritten: list[tuple[int, np.ndarray]] = []  # (step, the step's values)
         self._layouts: dict[tuple, Any] = {}  # how the sums of squares come back in parameter order
-        self.last_norms: Any = None  # per-parameter norms of the last step, on the engine
-        self.last_total: Any = None
-        self.last_coef: Any = None
 
     # -------------------------------------------------------------- the step
 
@@ -194,11 +171,9 @@ class GradMonitor(WriterOwner):
         min(1, max_norm / (total + 1e-8)) in place and returns the total norm, an NDArray of
         shape (1,), without waiting for the engine. ``check_isfinite=True`` does what Gluon's
         default does: waits for the norm, warns when it is not finite and returns a float."""
-        max_norm = _checked("max_norm", max_norm, positive_float)
-        self._drain()
-        step, self.step = self.step, self.step + 1
+        max_norm = checked("max_norm", max_norm, positive_float)
+        step, logged = self._begin_step()
         grads, live = self._gradients()
-        logged = self.writer is not None and (step % self.log_every == 0 or step <= self.window_end)
         with mx.autograd.pause():
             squares = self._squares(grads, live)
             total, norms = mx.nd.sqrt(mx.nd.sum(squares)), mx.nd.sqrt(squares)
@@ -207,7 +182,8 @@ class GradMonitor(WriterOwner):
             if logged:
                 on_host = self._on_host(grads, live)
                 parts += [] if on_host else self._extremes(grads, live, total.context)
-            self._pending.append(HostCopy(mx.nd.concat(*parts, dim=0), (step, logged), on_host))
+            self._pending.append(HostCopy(mx.nd.concat(*parts, dim=0), (step, None, self._rows if logged else None),
+                                          on_host))
             # The engine orders the in-place scaling after every read of the gradients pushed above.
             scales: dict[tuple, Any] = {}
             for grad in grads:
@@ -229,24 +205,6 @@ class GradMonitor(WriterOwner):
             raise AccumcheckError(f"GradMonitor.clip_grad_norm_: norm_type={norm_type!r}; Gluon's monitor clips "
                                   "by the L2 norm only (norm_type=2)")
         return self.clip_global_norm(max_norm)
-
-    def enable(self, steps: int) -> None:
-        """Log statistics at every step for the next ``steps`` steps (after a rollback, say)."""
-        self.window_end = self.step + _checked("steps", steps, positive_int) - 1
-
-    def disable(self) -> None:
-        self.window_end = -1
-
-    def flush(self) -> list[DominanceReport]:
-        """Wait for every pending step's values, process them and write every step's statistics
-        (end of training, before closing the writer; tests)."""
-        for copy in self._pending:
-            copy.wait()
-        self._drain()
-        self._write()
-        if self.writer is not None and hasattr(self.writer, "flush"):
-            self.writer.flush()
-        return self.reports
 
     # -------------------------------------------------------------- on the engine
 
@@ -324,33 +282,12 @@ class GradMonitor(WriterOwner):
 
     # -------------------------------------------------------------- on the host
 
-    def _drain(self) -> None:
-        """Process the steps whose values have arrived, in order; keep the others for later."""
-        reported, count = False, len(self.params)
-        while self._pending and self._pending[0].ready():
-            copy = self._pending.pop(0)
-            values = copy.values()
-            step, logged = copy.payload
-            total, coef = values[0], values[1]
-            if not np.isfinite(total) or coef < np.float32(self.clip_threshold):
-                reason = ("non-finite gradient norm" if not np.isfinite(total) else
-                          f"clipping scale {coef:.3g} below {self.clip_threshold:g}")
-                report = self._report(values[2:2 + count], step, reason, float(total), float(coef))
-                self.reports.append(report)
-                self.logger.warning("%s", report)
-                reported = True
-            if logged:
-                self._unwritten.append((step, values))
-        # A batch of WRITE_EVERY steps, or the oldest log_every (at least WRITE_EVERY) steps old: the
-        # values may arrive many steps late, when the engine lags behind.
-        if self._unwritten and (reported or len(self._unwritten) >= self.WRITE_EVERY or
-                                self.step - self._unwritten[0][0] >= max(self.WRITE_EVERY, self.log_every)):
-            self._write()
-
-    def _report(self, norms: np.ndarray, step: int, reason: str, total: float, coef: float) -> DominanceReport:
-        """The top_k parameters by share of the sum of squares of the step's norms; RMS and where
-        the gradient is largest read from the current values (this step's clipped gradients, or
-        the next step's when the report comes a step late)."""
+    def _report(self, norms: Any, values: np.ndarray, step: int, reason: str, total: float,
+                coef: float) -> DominanceReport:
+        """The top_k parameters by share of the sum of squares of the step's norms (in its
+        values); RMS and where the gradient is largest read from the current values (this step's
+        clipped gradients, or the next step's when the report comes a step late)."""
+        norms = values[2:2 + len(self.params)]
         entries = []
         for index, share in rank(self.names, norms, self.top_k):
             param = self.params[index]
@@ -361,19 +298,6 @@ class GradMonitor(WriterOwner):
             rms = float(np.sqrt(np.mean(data.asnumpy().astype(np.float64) ** 2)))
             entries.append(DominanceEntry(self.names[index], share, float(norms[index]), rms, where, value, bad))
         return DominanceReport(step=step, reason=reason, total_norm=total, clip_coef=coef, entries=entries)
-
-    def _write(self) -> None:
-        """The waiting steps' statistics, computed together on the host, to the writer."""
-        unwritten, self._unwritten = self._unwritten, []
-        if self.writer is None or not unwritten:
-            return
-        rows = self._rows.stats(np.stack([values for _, values in unwritten]))
-        for (step, _), row in zip(unwritten, rows.reshape(len(unwritten), -1).tolist()):
-            if isinstance(self.writer, ScalarWriter):
-                self.writer.add_step(step, self.tags, row)  # one event per step, not one per scalar
-            else:
-                for tag, value in zip(self.tags, row):
-                    self.writer.add_scalar(tag, value, step)
 
 
 class _LayerRows:
@@ -393,7 +317,7 @@ class _LayerRows:
         self.norm_index.shape = self.minmax_index.shape = (len(rows), width)
         self.count = count
 
-    def stats(self, values: np.ndarray) -> np.ndarray:
+    def layer_stats(self, values: np.ndarray) -> np.ndarray:
         """[norm, min, max, absmax, share] per step and watched layer (steps x layers x 5)."""
         values, count, w = values.astype(np.float64), self.count, len(self.watched)
         steps = len(values)
@@ -406,11 +330,3 @@ class _LayerRows:
             high = highs[:, self.minmax_index].max(axis=2)
             share = np.square(layer_norm / values[:, :1])
             return np.stack([layer_norm, low, high, np.maximum(high, -low), share], axis=2)
-
-
-def _checked(name: str, value: Any, rule: Any) -> Any:
-    """``value`` by ``rule`` (an accumcheck.options rule), or AccumcheckError naming ``name``."""
-    try:
-        return rule(value)
-    except ValueError as exc:
-        raise AccumcheckError(f"GradMonitor: {name}={exc}") from None

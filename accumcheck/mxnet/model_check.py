@@ -27,10 +27,10 @@ import numpy as np
 from ..case.definition import infer_kind
 from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
 from ..judge import build_report
-from ..options.choices import MODES, REDUCTIONS
 from ..report import Report
 from ..run.backend import Progress
-from ..run.faults import Fault, parse_fault, resolve_fault
+from ..run.checkargs import CheckShape
+from ..run.faults import Fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import FullBatchGap, ParamAccumulation, RunResult
 from ..run.usermodel import (
@@ -71,53 +71,69 @@ StepFunction = Callable[[Any, Batch], Any]
 OWN_BACKWARD = "return the loss; accumcheck calls backward itself"
 # What MXNet says when backward() meets a loss whose graph is gone or was never recorded.
 NOT_RECORDED = "not in a computational graph"
+# The shared options it honours: all but memory_budget. A loss_reduction of None is Gluon's
+# convention: per-example losses, which backward() sums.
+SHAPE = CheckShape("accumcheck.mxnet.check", frozenset(
+    ("device", "step", "mode", "oracle", "inject", "full_batch", "collate", "loss_reduction", "train_mode", "force",
+     "progress")), reduction="sum",
+    why_not={"memory_budget": "it runs every parameter at once; PyTorch's check runs them in groups"},
+    renamed={"block": "model", "ctx": "device"})
 
 
-def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
-          accum_steps: int | None = None, ctx: Any = None, inject: str | None = None,
-          progress: Progress | None = None, *, step: StepFunction | None = None, mode: str = "native",
-          train_mode: bool = False, oracle: bool = False, full_batch: bool = False,
-          collate: Callable[[list[Batch]], Batch] | None = None, loss_reduction: str = "sum",
-          force: bool = False) -> Report:
+def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batches | None = None,
+          accum_steps: int | None = None, *, device: Any = None, step: StepFunction | None = None,
+          mode: str = "native", oracle: bool = False, inject: str | None = None, full_batch: bool = False,
+          collate: Callable[[list[Batch]], Batch] | None = None, loss_reduction: str | None = None,
+          train_mode: bool = False, memory_budget: int | str | None = None, force: bool = False,
+          progress: Progress | None = None) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
-    ``block`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
+    ``model`` is an initialised Gluon Block (hybridized or not; deferred initialisation is fine).
     ``batches`` is a sequence or iterable of batches (the first ``accum_steps`` are used; default
     all) or a function of the micro-step index. A batch is ``(inputs, label)`` for
     ``loss_fn(output, label)``; ``(inputs,)``, ``(inputs, None)`` or bare inputs for
     ``loss_fn(output)``; without ``loss_fn`` the block's inputs, and the block returns its own loss.
     Inputs are passed as ``block(x)``, ``block(*tuple)``, or a dict by the names of the block's
-    forward parameters; NDArrays and numpy arrays are moved to ``ctx`` (default: the parameters'
-    first context). ``step(block, batch)``
-    instead computes the loss itself. ``mode`` fills the native slot with ``grad_req='add'``
-    ("native") or ``accumcheck.mxnet.GradAccumulator`` ("accumulator", "compensated": float32
-    buffers fed by ``grad_req='write'``, the totals written back into the gradients). ``train_mode``
-    records with BatchNorm on batch statistics (Dropout stays off). ``oracle`` also accumulates on
-    a float64 copy of the block (your floating inputs widened) and reports each mode's distance
-    from it. ``full_batch`` also runs the N micro-batches as one batch (joined along axis 0, or by
+    forward parameters; NDArrays and numpy arrays are moved to ``device``: an ``mx.Context`` or
+    "cpu", "gpu", "gpu:N", "cuda:N" (default: the parameters' first context; it must be one of
+    theirs). ``step(block, batch)`` instead computes the loss itself.
+
+    It takes the call shape every framework's check shares (``accumcheck.run.checkargs``) and
+    honours all of it but ``memory_budget``, refused when given (it runs every parameter at once).
+    ``mode`` fills the native slot with ``grad_req='add'`` ("native") or
+    ``accumcheck.mxnet.GradAccumulator`` ("accumulator", "compensated": float32 buffers fed by
+    ``grad_req='write'``, the totals written back into the gradients). ``train_mode`` records with
+    BatchNorm on batch statistics (Dropout stays off). ``oracle`` also accumulates on a float64
+    copy of the block (your floating inputs widened) and reports each mode's distance from it.
+    ``full_batch`` also runs the N micro-batches as one batch (joined along axis 0, or by
     ``collate``) on a float64 copy of the block and judges the accumulated gradient against it: as
     it is for a ``loss_reduction`` "sum" loop (Gluon's per-example losses, whose backward() sums
-    them), divided by N for "mean" (each micro-batch's mean loss). ``inject`` (e.g. ``"scale"``,
-    ``"drop-step:dense0_weight"``) perturbs the native accumulation to prove the check fires. A
-    check that would need more memory beside the block than is available is refused unless
-    ``force``. Returns a Report; raises AccumcheckError for bad input, UserCodeError for an
-    exception raised by the batches, the block, the loss or the step function (SystemExit too; a
-    backward() of their own, weights they edit), NothingJudgedError when no parameter received a
-    gradient. The block and the random states are left as found, also when it raises.
+    them), divided by N for "mean" (each micro-batch's mean loss); None is Gluon's convention,
+    "sum". ``inject`` (e.g. ``"scale"``, ``"drop-step:dense0_weight"``) perturbs the native
+    accumulation to prove the check fires. A check that would need more memory beside the block
+    than is available is refused unless ``force``. Returns a Report; raises AccumcheckError for bad
+    input, UserCodeError for an exception raised by the batches, the block, the loss or the step
+    function (SystemExit too; a backward() of their own, weights they edit), NothingJudgedError
+    when no parameter received a gradient. The block and the random states are left as found,
+    also when it raises.
     """
     started = time.perf_counter()
-    _check_arguments(block, loss_fn, batches, step, oracle, full_batch, collate, loss_reduction)
-    if mode not in MODES:
-        raise AccumcheckError(f"check: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    fault = parse_fault(inject) if inject is not None else None
+    shared = SHAPE.validate(loss_fn=loss_fn, batches=batches, accum_steps=accum_steps, device=device, step=step,
+                            mode=mode, oracle=oracle, inject=inject, full_batch=full_batch, collate=collate,
+                            loss_reduction=loss_reduction, train_mode=train_mode, memory_budget=memory_budget,
+                            force=force, progress=progress)
+    fault, loss_reduction = shared.fault, shared.loss_reduction
+    if not isinstance(model, mx.gluon.Block):
+        raise AccumcheckError(f"check: model must be a gluon.Block, got a {type(model).__name__}")
+    block = model
     everything, aliases = unique_params(block)
     _check_initialised(everything)
+    ctx = _context(everything, device)
     with _as_found(block, everything) as weights, deferred_kept(everything, block) as deferred:
         get_batch, steps = batch_source(batches, accum_steps)
         # The float64 passes' micro-batches, read once; ones that do not join are refused before anything runs.
         listed = [guarded(k, "batches", get_batch, k) for k in range(steps)] if oracle or full_batch else []
         whole = join(listed, collate) if full_batch else None
-        ctx = _context(everything, ctx)
         micro = MicroStep(block, get_batch, ctx, loss_fn, step)
         notes = ["hybridized" if getattr(block, "_active", False) else "imperative", _mode_note(train_mode)]
         if deferred:
@@ -170,6 +186,9 @@ def check(block: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                 f"check: nothing was judged: none of the block's {len(params)} parameters with a gradient received "
                 f"a non-zero one in the {steps} micro-batch{'es' * (steps != 1)}; make the loss depend on the "
                 "block's parameters (a constant loss, or one multiplied by zero, gives none)") from exc
+
+
+check.shape = SHAPE  # type: ignore[attr-defined]  # what the setup file and the plugin read (checkargs.shape_of)
 
 
 @contextmanager
@@ -353,27 +372,6 @@ def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str
                      losses=grads["losses"], settings=settings, notes=notes, full_batch=gap)
 
 
-def _check_arguments(block: Any, loss_fn: Any, batches: Any, step: Any, oracle: Any, full_batch: Any,
-                     collate: Any, loss_reduction: str) -> None:
-    for what, flag in (("oracle", oracle), ("full_batch", full_batch)):
-        if not isinstance(flag, bool):
-            raise AccumcheckError(f"check: {what} must be True or False, got {flag!r}")
-    if loss_reduction not in REDUCTIONS:
-        raise AccumcheckError(f"check: loss_reduction must be one of {', '.join(REDUCTIONS)}, got {loss_reduction!r}")
-    if collate is not None and not callable(collate):
-        raise AccumcheckError(f"check: collate must be callable, got a {type(collate).__name__}")
-    if not isinstance(block, mx.gluon.Block):
-        raise AccumcheckError(f"check: block must be a gluon.Block, got a {type(block).__name__}")
-    if batches is None:
-        raise AccumcheckError("check: batches is required: pass batches=[(data, label), ...] "
-                              "(or a function of the micro-step index, with accum_steps)")
-    if loss_fn is not None and step is not None:
-        raise AccumcheckError("check: pass loss_fn or step, not both: step(block, batch) returns the loss itself")
-    for what, fn in (("loss_fn", loss_fn), ("step", step)):
-        if fn is not None and not callable(fn):
-            raise AccumcheckError(f"check: {what} must be callable, got a {type(fn).__name__}")
-
-
 def _check_initialised(params: dict[str, Any]) -> None:
     if not params:
         raise AccumcheckError("check: the block has no parameters")
@@ -383,14 +381,25 @@ def _check_initialised(params: dict[str, Any]) -> None:
                               "call net.initialize() (e.g. net.initialize(mx.init.Xavier())) before check")
 
 
-def _context(params: dict[str, Any], ctx: Any) -> Any:
+def _context(params: dict[str, Any], device: Any) -> Any:
+    """The context to run on: ``device`` (an mx.Context, or a device name as PyTorch's check takes
+    it), which must be one of the parameters' contexts; by default their first."""
     where = next(iter(params.values())).list_ctx()
-    if ctx is None:
+    if device is None:
         return where[0]
-    if ctx not in where:
-        raise AccumcheckError(f"check: the block's parameters are on {where[0]}, not {ctx}; "
-                              f"pass ctx={where[0]} or initialise the block on {ctx}")
-    return ctx
+    if isinstance(device, mx.Context):
+        found = [ctx for ctx in where if ctx == device]
+    else:
+        kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+        if kind not in ("cpu", "gpu", "cuda") or (index and not index.isdigit()):
+            raise AccumcheckError(f"check: device {device!r} is not a device MXNet has; pass an mx.Context "
+                                  "(mx.cpu(), mx.gpu(1)) or one of cpu, gpu, gpu:N, cuda:N")
+        found = [ctx for ctx in where if ctx.device_type == ("cpu" if kind == "cpu" else "gpu")
+                 and (not index or ctx.device_id == int(index))]
+    if not found:
+        raise AccumcheckError(f"check: the block's parameters are on {where[0]}, not {device}; "
+                              f"pass device=mx.{where[0]} or initialise the block on {device}")
+    return found[0]
 
 
 def _mode_note(train_mode: bool) -> str:

@@ -181,14 +181,16 @@ def user_model_call(framework: str, config: dict[str, Any], accum_steps: int) ->
                 flags.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
         return f"accumcheck check {config['setup']} {' '.join(flags)}"
     loss = config.get("loss", "loss_fn")
-    head = {"loss_fn": "loss_fn, batches", "step": "batches=batches, step=step",
-            "loss_fn(params, batch)": "params, batches"}.get(loss, "batches=batches")
+    model = f"<your {config['model']}>"
+    # JAX's: check(params, loss_fn, batches), config["model"] naming the loss function
+    head = {"loss_fn": f"{model}, loss_fn, batches", "step": f"{model}, batches=batches, step=step",
+            "loss_fn(params, batch)": f"params, {model}, batches"}.get(loss, f"{model}, batches=batches")
     options = [f"accum_steps={accum_steps}"]
     for key, value in config.items():
         if key in ("model", "loss", "setup", "command_options"):
             continue
         options.append(f"{key}={value}" if key in ("autocast", "grad_scaler") else f"{key}={value!r}")
-    return f"accumcheck.{framework}.check(<your {config['model']}>, {head}, {', '.join(options)})"
+    return f"accumcheck.{framework}.check({head}, {', '.join(options)})"
 
 
 def _finite_or_max(x: float) -> float:

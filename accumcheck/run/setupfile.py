@@ -1,8 +1,9 @@
 """``accumcheck check FILE.py[:FUNCTION]``: your own model from a Python file. The function
 (default ``accumcheck_setup``) returns the keyword arguments of the model's framework's check
-(``accumcheck.<framework>.check``: at least ``model`` and ``batches``; JAX's ``loss_fn``,
-``params`` and ``batches``); the framework is the backend that owns the model's class, or the
-parameters' arrays of a loss function.
+(``accumcheck.<framework>.check``, one shape for every framework: at least ``model`` and
+``batches``; JAX's ``params``, ``loss_fn`` and ``batches``); the framework is the backend that owns
+the model's class, or the parameters' arrays. A keyword a check took under an old name (MXNet's
+``block`` and ``ctx``) is refused in one line naming the new one.
 
 The file is imported, and its function called, with ``sys.argv`` set to ``[FILE.py]`` (a
 module-level ``parse_args()`` sees none of accumcheck's own flags) and their standard output and
@@ -23,26 +24,30 @@ from typing import Any, Callable
 
 from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from .backend import Backend
+from .checkargs import shape_of
 from .registry import backend_names, get_backend
 
 DEFAULT_FUNCTION = "accumcheck_setup"
 
 
-def user_check(model: Any, what: str = "check", params: Any = None) -> tuple[str, Callable[..., Any]]:
+def user_check(model: Any, what: str = "check", second: Any = None) -> tuple[str, Callable[..., Any]]:
     """The framework of ``model`` and its check (``accumcheck.<framework>.check``), told by the
-    model's class without importing a framework; a loss function (JAX's) by its ``params``' arrays."""
+    model's class, or by the arrays of parameters (JAX's pytree), without importing a framework.
+    ``second``, the call's next argument: a loss function followed by its parameters (JAX's former
+    order) reaches their framework's check, which names the order it takes."""
     for name in backend_names():
         backend = get_backend(name, installed=False)
-        if backend.owns(model) or (params is not None and callable(model) and backend.owns_parameters(params)):
+        if backend.owns(model) or backend.owns_parameters(model) or (
+                second is not None and callable(model) and backend.owns_parameters(second)):
             check = get_backend(name).model_check()  # now installed for certain: the model is one
             if check is None:
                 break
             return name, check
     able = [n for n in backend_names() if get_backend(n, installed=False).model_check is not Backend.model_check]
-    losses = [n for n in backend_names() if get_backend(n, installed=False).array_packages]
-    functions = f", or a loss function with its {' or '.join(losses)} parameters" if losses else ""
+    arrays = [n for n in backend_names() if get_backend(n, installed=False).array_packages]
+    parameters = f", or the {' or '.join(arrays)} parameters of a loss function" if arrays else ""
     raise AccumcheckError(f"{what}: {type(model).__name__} is not a model of a framework accumcheck checks here "
-                          f"({', '.join(able)}); pass a model of one of them{functions}")
+                          f"({', '.join(able)}); pass a model of one of them{parameters}")
 
 
 def load_setup(target: str) -> dict[str, Any]:
@@ -66,21 +71,41 @@ def load_setup(target: str) -> dict[str, Any]:
     except USER_EXCEPTIONS as exc:
         raise _raised(f"check {target}: {function}()", exc, printed,
                       "a setup function returns check's arguments as a dict; return them instead of exiting") from exc
-    if (not isinstance(setup, Mapping) or "batches" not in setup
-            or not ("model" in setup or {"loss_fn", "params"} <= set(setup))):
+    if not isinstance(setup, Mapping) or "batches" not in setup or not {"model", "params"} & set(setup):
+        if isinstance(setup, Mapping):
+            _refuse_renamed(setup, f"check {target}: {function}() returned")
         raise AccumcheckError(f"check {target}: {function}() must return a dict of check's arguments with at least "
-                              f"'model' (JAX: 'loss_fn' and 'params') and 'batches', got {type(setup).__name__}"
+                              f"'model' (JAX: 'params' and 'loss_fn') and 'batches', got {type(setup).__name__}"
                               + (f" with {', '.join(map(str, setup))}" if isinstance(setup, Mapping) else ""))
     return dict(setup)
+
+
+def _refuse_renamed(setup: Mapping[str, Any], what: str) -> None:
+    """The one line naming the new name of a key that a check took under an old name (MXNet's
+    ``block``), where a value of the setup is a framework's model."""
+    for value in setup.values():
+        try:
+            check = user_check(value, what)[1]
+        except AccumcheckError:
+            continue
+        shape = shape_of(check)
+        if shape is not None:
+            shape.refuse_renamed(setup, what)
 
 
 def run_setup(target: str, setup: dict[str, Any], overrides: dict[str, Any], progress: Any = None) -> Any:
     """The check of ``setup``'s model with the command line's ``overrides``; its Report records
     the command that reruns it."""
     setup = dict(setup)
-    model = setup.pop("model") if "model" in setup else setup.pop("loss_fn")
-    framework, check = user_check(model, f"check {target}", setup.get("params"))
-    _, *accepted = inspect.signature(check).parameters  # after the model (JAX's: the loss function)
+    if "model" in setup and "params" in setup:
+        raise AccumcheckError(f"check {target}: the setup returns both 'model' and 'params'; return the model "
+                              "(JAX: its params) as one of them")
+    model = setup.pop("model") if "model" in setup else setup.pop("params")
+    framework, check = user_check(model, f"check {target}")
+    shape = shape_of(check)
+    if shape is not None:
+        shape.refuse_renamed(setup, f"check {target}")
+    _, *accepted = inspect.signature(check).parameters  # after the model (JAX's: the parameters)
     for name in list(setup) + list(overrides):
         if name not in accepted:
             flag = "--" + name.replace("_", "-")

@@ -23,7 +23,6 @@ step's scalars as one event.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Any, Sequence
 
@@ -35,13 +34,10 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-from ..diagnostics.layers import DEFAULT_LAYERS, layer_groups, select_layers
+from ..diagnostics.layers import DEFAULT_LAYERS
+from ..diagnostics.monitor import LOG, GradMonitorBase
 from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
-from ..diagnostics.tensorboard import ScalarWriter, WriterOwner
-from ..errors import AccumcheckError
-from ..options.values import positive_float, positive_int
-
-LOG = logging.getLogger("accumcheck.diagnostics")
+from ..diagnostics.tensorboard import ScalarWriter
 
 
 def named_parameters(source: Any) -> list[tuple[str, Any]]:
@@ -123,12 +119,18 @@ class _HostCopy:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
     def values(self) -> np.ndarray:
         return self.host.numpy()
 
 
-class GradMonitor(WriterOwner):
-    """Per-layer gradient statistics, a drop-in clip_grad_norm_, and the dominance report.
+class GradMonitor(GradMonitorBase):
+    """Per-layer gradient statistics, a drop-in clip_grad_norm_, and the dominance report; its
+    lifecycle (arguments, logged steps, reports, writing, the writer) is
+    ``accumcheck.diagnostics.monitor``'s, shared with Gluon's monitor.
 
     ``source``: a Module, (name, parameter) pairs, plain parameters or param groups. ``layers``:
     which layers to log ("all", indices over the repeated blocks, or name globs; default
@@ -136,38 +138,20 @@ class GradMonitor(WriterOwner):
     SummaryWriter, which gets each step's scalars as one event), or a log directory (the monitor
     then makes a TensorBoard writer there and closes it in ``close()``). Statistics of the
     gradients before clipping are logged every ``log_every`` steps, or every step while a window
-    opened by ``enable`` lasts. They reach the writer in batches: once the oldest waiting step is
-    ``WRITE_EVERY`` steps old, at once after a dominance report, and at ``flush()``/``close()``
-    (call one before closing a writer of your own; ``with GradMonitor(...) as monitor:`` closes). A step whose clipping scale falls below ``clip_threshold``, or
-    whose gradient norm is not finite, gets a dominance report of ``top_k`` parameters, logged
-    as a warning and kept in ``reports``.
+    opened by ``enable`` lasts. They reach the writer in batches: once ``WRITE_EVERY`` steps wait
+    or the oldest is ``WRITE_EVERY`` steps old, at once after a dominance report, and at
+    ``flush()``/``close()`` (call one before closing a writer of your own; ``with
+    GradMonitor(...) as monitor:`` closes). A step whose clipping scale falls below
+    ``clip_threshold``, or whose gradient norm is not finite, gets a dominance report of ``top_k``
+    parameters, logged as a warning and kept in ``reports``.
     """
 
-    TAGS = ("grad_norm", "grad_min", "grad_max", "grad_absmax", "grad_share")
-    WRITE_EVERY = 10  # steps: the host's share of the statistics is done for a batch of steps at a time
+    NO_PARAMETERS = "no parameter requires grad; pass the parameters you train"
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG) -> None:
-        log_every, top_k = _checked("log_every", log_every, positive_int), _checked("top_k", top_k, positive_int)
-        clip_threshold = _checked("clip_threshold", clip_threshold, positive_float)
-        pairs = named_parameters(source)
-        self.names = [n for n, _ in pairs]
-        self.params = [p for _, p in pairs]
-        groups, _ = layer_groups(self.names)
-        self.layers = {key: groups[key] for key in select_layers(self.names, layers)}
-        self.tags = [f"{tag}/{layer}" for layer in self.layers for tag in self.TAGS]  # as the statistics' rows
-        self._take_writer(writer)
-        self.log_every, self.clip_threshold = log_every, clip_threshold
-        self.top_k, self.logger = top_k, logger
-        self.step = 0
-        self.window_end = -1
-        self.reports: list[DominanceReport] = []
-        self._pending: list[_HostCopy] = []
+        super().__init__(named_parameters(source), layers, writer, log_every, clip_threshold, top_k, logger)
         self._plan: _StatsPlan | None = None  # what the per-layer statistics gather
-        self._unwritten: list[tuple[int, _StatsPlan, np.ndarray]] = []  # (step, plan, the step's copy)
-        self.last_norms: Any = None  # per-parameter norms of the last step, on the device
-        self.last_total: Any = None
-        self.last_coef: Any = None
 
     # -------------------------------------------------------------- the step
 
@@ -176,8 +160,7 @@ class GradMonitor(WriterOwner):
         """torch.nn.utils.clip_grad_norm_ over the monitored parameters: same arguments, same
         result, same clipped gradients; keeps the per-parameter norms and never waits for the
         device (unless ``error_if_nonfinite``, which must look at the norm)."""
-        self._drain()
-        step, self.step = self.step, self.step + 1
+        step, logged = self._begin_step()
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not live:
             return torch.tensor(0.0)
@@ -192,7 +175,6 @@ class GradMonitor(WriterOwner):
                 full = torch.zeros(len(self.params), dtype=norms.dtype, device=norms.device)
                 full[torch.tensor(live, device=norms.device)] = norms
                 norms = full
-            logged = self.writer is not None and (step % self.log_every == 0 or step <= self.window_end)
             plan = self._extremes(norms, norm_type, groups) if logged else None  # before clipping
             coef = _clip(groups, max_norm, total, foreach)
             self.last_norms, self.last_total, self.last_coef = norms, total, coef
@@ -203,24 +185,6 @@ class GradMonitor(WriterOwner):
         self._pending.append(_HostCopy(payload, (step, norms, plan)))
         self._drain()  # on the CPU the copies have arrived already: report this step's own gradients
         return total
-
-    def enable(self, steps: int) -> None:
-        """Log statistics at every step for the next ``steps`` steps (after a rollback, say)."""
-        self.window_end = self.step + steps - 1
-
-    def disable(self) -> None:
-        self.window_end = -1
-
-    def flush(self) -> list[DominanceReport]:
-        """Wait for every pending copy, process it and write every step's statistics (end of
-        training, before closing the writer; tests)."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._drain()
-        self._write()
-        if self.writer is not None and hasattr(self.writer, "flush"):
-            self.writer.flush()
-        return self.reports
 
     # -------------------------------------------------------------- statistics
 
@@ -247,40 +211,15 @@ class GradMonitor(WriterOwner):
                 out[1].copy_(found[1])
         return plan
 
-    def _drain(self) -> None:
-        """Process the copies that have arrived; keep the others for later."""
-        waiting, reported = [], False
-        for copy in self._pending:
-            if not copy.ready():
-                waiting.append(copy)
-                continue
-            values = copy.values()
-            step, norms, plan = copy.payload
-            total, coef = values[0], values[1]
-            if not np.isfinite(total) or coef < values.dtype.type(self.clip_threshold):
-                reason = ("non-finite gradient norm" if not np.isfinite(total) else
-                          f"clipping scale {coef:.3g} below {self.clip_threshold:g}")
-                report = dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step,
-                                          reason=reason, total_norm=float(total), clip_coef=float(coef))
-                self.reports.append(report)
-                self.logger.warning("%s", report)
-                reported = True
-            if plan is not None:
-                self._unwritten.append((step, plan, values))
-        self._pending = waiting
-        if self._unwritten and (reported or self.step - self._unwritten[0][0] >= self.WRITE_EVERY):
-            self._write()
+    def _report(self, norms: Any, values: np.ndarray, step: int, reason: str, total: float,
+                coef: float) -> DominanceReport:
+        """From the step's per-parameter norms, kept on the device (the copy holds them at a
+        logged step only)."""
+        return dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step, reason=reason,
+                                total_norm=total, clip_coef=coef)
 
-    def _write(self) -> None:
-        """The waiting steps' statistics, computed together on the host, to the writer."""
-        unwritten, self._unwritten = self._unwritten, []
-        if self.writer is None:
-            return
-        for plan, entries in itertools.groupby(unwritten, key=lambda entry: entry[1]):
-            entries = list(entries)
-            rows = plan.layer_stats(np.stack([values for _, _, values in entries]))
-            for (step, _, _), row in zip(entries, rows.reshape(len(entries), -1).tolist()):
-                write_scalars(self.writer, step, self.tags, row)
+    def _write_step(self, step: int, row: list[float]) -> None:
+        write_scalars(self.writer, step, self.tags, row)
 
 
 class _StatsPlan:
@@ -380,11 +319,3 @@ def dominance_report(names: Sequence[str], params: Sequence[Any], norms: Any = N
         rms = float(param.detach().double().pow(2).mean().sqrt())
         entries.append(DominanceEntry(names[index], share, float(host[index]), rms, where, value, bad))
     return DominanceReport(step=step, reason=reason, total_norm=total_norm, clip_coef=clip_coef, entries=entries)
-
-
-def _checked(name: str, value: Any, rule: Any) -> Any:
-    """``value`` by ``rule`` (an accumcheck.options rule), or AccumcheckError naming ``name``."""
-    try:
-        return rule(value)
-    except ValueError as exc:
-        raise AccumcheckError(f"GradMonitor: {name}={exc}") from None

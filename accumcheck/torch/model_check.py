@@ -34,11 +34,11 @@ from ..case.definition import infer_kind
 from ..errors import USER_EXCEPTIONS, AccumcheckError
 from ..files import size_text
 from ..judge import Judge, build_report
-from ..options.choices import MODES, REDUCTIONS
 from ..report import Report
 from ..run.backend import Progress
-from ..run.budget import FIXED_BYTES, checked_budget, minimum, plan
-from ..run.faults import parse_fault, resolve_fault
+from ..run.budget import FIXED_BYTES, minimum, plan
+from ..run.checkargs import CheckShape
+from ..run.faults import resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
@@ -51,6 +51,10 @@ from .passes import accumulate
 from .userbatch import backward_error, micro_loss, to_device
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# Every shared option is honoured; a loss_reduction of None is PyTorch's convention, a mean per micro-batch.
+SHAPE = CheckShape("accumcheck.torch.check", frozenset(
+    ("device", "step", "mode", "oracle", "inject", "full_batch", "collate", "loss_reduction", "train_mode",
+     "memory_budget", "force", "progress")), reduction="mean")
 _GRAD = operator.attrgetter("grad")
 
 
@@ -68,12 +72,12 @@ def _leaves_host_state(check: Callable[..., Report]) -> Callable[..., Report]:
 @_leaves_host_state
 def check(model: Any, loss_fn: Callable[..., Any] | None = None,
           batches: Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch] | None = None,
-          accum_steps: int | None = None, device: str | None = None, oracle: bool = False,
-          inject: str | None = None, progress: Progress | None = None, *,
-          step: Callable[[Any, Any], Any] | None = None, mode: str = "native", autocast: Any = None,
-          grad_scaler: Any = None, train_mode: bool = False, full_batch: bool = False,
-          collate: Callable[[list[Any]], Any] | None = None, loss_reduction: str = "mean",
-          force: bool = False, memory_budget: int | str | None = None) -> Report:
+          accum_steps: int | None = None, *, device: str | None = None,
+          step: Callable[[Any, Any], Any] | None = None, mode: str = "native", oracle: bool = False,
+          inject: str | None = None, full_batch: bool = False, collate: Callable[[list[Any]], Any] | None = None,
+          loss_reduction: str | None = None, train_mode: bool = False, memory_budget: int | str | None = None,
+          force: bool = False, progress: Progress | None = None, autocast: Any = None,
+          grad_scaler: Any = None) -> Report:
     """Accumulate ``accum_steps`` micro-batches natively and by hand, and judge every parameter.
 
     ``model`` is any ``torch.nn.Module`` with parameters in float32, bfloat16, float16 or float64.
@@ -84,8 +88,9 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     used; default all) or a function of the micro-step index; nested tensors are moved to the
     model's device (``device`` must be where the model is).
 
-    ``mode`` fills the native slot with ``.grad`` ("native") or a GradAccumulator
-    ("accumulator", "compensated"). ``autocast`` (torch.bfloat16 or torch.float16) runs each
+    It takes the call shape every framework's check shares (``accumcheck.run.checkargs``) and
+    honours all of it. ``mode`` fills the native slot with ``.grad`` ("native") or a
+    GradAccumulator ("accumulator", "compensated"). ``autocast`` (torch.bfloat16 or torch.float16) runs each
     forward under ``torch.autocast``; ``grad_scaler`` (a ``torch.amp.GradScaler``) scales each
     loss by its scale and the gradients are judged unscaled (an overflow is a skipped step, not a
     fault). ``train_mode`` runs the model in training mode (batch-norm batch statistics) with its
@@ -93,7 +98,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     runs the N micro-batches as one batch (joined along dim 0, or by ``collate``) in float64 and
     judges the accumulated gradient against it, divided by N for a ``loss_reduction`` "mean"
     loop (the loop divides each micro-batch's mean loss by N), as it is for "sum" and
-    "token_count". ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs the native
+    "token_count"; None is PyTorch's convention, "mean". ``inject`` (e.g. ``"scale"``, ``"drop-step:fc.weight"``) perturbs the native
     accumulation to prove the check fires. A check that would need more memory beside the model
     than is available is refused unless ``force``. ``memory_budget`` (bytes, or a text such as
     ``"512M"``) bounds what the check holds beside the model: the parameters are run and judged in
@@ -104,8 +109,13 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     NothingJudgedError when no parameter received a gradient.
     """
     started = time.perf_counter()
-    _check_arguments(loss_fn, batches, step, mode, grad_scaler, full_batch, collate, loss_reduction)
-    budget = checked_budget(memory_budget, oracle, full_batch)
+    shared = SHAPE.validate(loss_fn=loss_fn, batches=batches, accum_steps=accum_steps, device=device, step=step,
+                            mode=mode, oracle=oracle, inject=inject, full_batch=full_batch, collate=collate,
+                            loss_reduction=loss_reduction, train_mode=train_mode, memory_budget=memory_budget,
+                            force=force, progress=progress)
+    budget, loss_reduction = shared.budget, shared.loss_reduction
+    if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
+        raise AccumcheckError(f"check: grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
     cast = _autocast_dtype(autocast)
     groups = _parameters(model)
     params = {names[0]: p for names, p in groups}
@@ -114,9 +124,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     _check_device(params, device, where)
     get_batch, steps = batch_source(batches, accum_steps)
     kinds = _kinds(model, params)
-    fault = None
-    if inject is not None:
-        fault = parse_fault(inject)
+    fault = shared.fault
+    if fault is not None:
         canonical = {alias: names[0] for names, _ in groups for alias in names[1:]}  # a tied weight's other names
         fault = resolve_fault(dataclasses.replace(fault, param=canonical.get(fault.param, fault.param)),
                               list(kinds.items()), steps)
@@ -270,30 +279,13 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
                         time.perf_counter() - started, config=config, replay=replay)
 
 
+check.shape = SHAPE  # type: ignore[attr-defined]  # what the setup file and the plugin read (checkargs.shape_of)
+
+
 def _unscaled(param: Any, scale: float | None) -> np.ndarray:
     """A parameter's micro-gradient on the host, divided by the loss scale (a power of two: exact)."""
     grad = to_numpy(param.grad) if param.grad is not None else np.zeros(tuple(param.shape), np.float32)
     return grad / np.asarray(scale, grad.dtype) if scale is not None else grad.copy()
-
-
-def _check_arguments(loss_fn: Any, batches: Any, step: Any, mode: str, grad_scaler: Any, full_batch: Any,
-                     collate: Any, loss_reduction: str) -> None:
-    if batches is None:
-        raise AccumcheckError("check: batches is missing; pass the micro-batches (a sequence, an iterable or a "
-                              "function of the micro-step index)")
-    if step is not None and loss_fn is not None:
-        raise AccumcheckError("check: pass loss_fn or step, not both (step(model, batch) computes the loss itself)")
-    for name, value in (("loss_fn", loss_fn), ("step", step), ("collate", collate)):
-        if value is not None and not callable(value):
-            raise AccumcheckError(f"check: {name} must be a function, got {type(value).__name__}")
-    if mode not in MODES:
-        raise AccumcheckError(f"check: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if loss_reduction not in REDUCTIONS:
-        raise AccumcheckError(f"check: loss_reduction must be one of {', '.join(REDUCTIONS)}, got {loss_reduction!r}")
-    if not isinstance(full_batch, bool):
-        raise AccumcheckError(f"check: full_batch must be True or False, got {full_batch!r}")
-    if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
-        raise AccumcheckError(f"check: grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
 
 
 def _autocast_dtype(autocast: Any) -> Any:

@@ -99,7 +99,7 @@ def run_main(*args):
     ("missing.py", [], "missing.py is not a Python file here; give FILE.py or FILE.py:FUNCTION"),
     ("{file}:nothing", [], "defines no function 'nothing'"),
     ("{file}:raises", [], "raises() raised ValueError: the data folder is missing"),
-    ("{file}:not_a_dict", [], "must return a dict of check's arguments with at least 'model' (JAX: 'loss_fn' and 'params') and 'batches', got list"),
+    ("{file}:not_a_dict", [], "must return a dict of check's arguments with at least 'model' (JAX: 'params' and 'loss_fn') and 'batches', got list"),
     ("{file}:unknown_argument", [], "'lr' is not an argument of accumcheck.torch.check"),
     ("{file}:strings", [], "the model raised TypeError on micro-batch 0"),
     ("{file}:not_a_model", [], "str is not a model of a framework accumcheck checks here (jax, mxnet, torch)"),

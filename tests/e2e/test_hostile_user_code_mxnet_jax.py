@@ -55,6 +55,9 @@ def accumcheck_setup():
 
 MXNET_ROWS = {
     "good": '    return {"model": make_net(), "loss_fn": L2, "batches": make_batches()}',
+    "device-named": '    return {"model": make_net(), "loss_fn": L2, "batches": make_batches(), "device": "cpu"}',
+    "block-key": '    return {"block": make_net(), "loss_fn": L2, "batches": make_batches()}',
+    "ctx-key": '    return {"model": make_net(), "loss_fn": L2, "batches": make_batches(), "ctx": mx.cpu()}',
     "generator-raises": '''
     def batches():
         for k, batch in enumerate(make_batches()):
@@ -210,6 +213,12 @@ JAX_ROWS = {
 ROWS = [
     ("mxnet", "good", [], Verdict(0, "OK: all 4 tensors")),
     ("mxnet", "good", ["--inject", "scale"], Verdict(1, "FLAGGED")),
+    ("mxnet", "device-named", [], Verdict(0, "OK: all 4 tensors")),
+    ("mxnet", "block-key", [], Refused("accumcheck_setup() returned: 'block' is now 'model' in accumcheck.mxnet.check, "
+                                       "the one shape every framework's check takes; rename it")),
+    ("mxnet", "ctx-key", [], Refused("'ctx' is now 'device' in accumcheck.mxnet.check")),
+    ("mxnet", "good", ["--memory-budget", "1G"],
+     Refused("accumcheck.mxnet.check cannot honour memory_budget=1073741824 (it runs every parameter at once")),
     ("mxnet", "generator-raises", [], Refused("iterating batches raised RuntimeError while reading micro-batch 3")),
     ("mxnet", "batch-function-raises", [], Refused("batches raised IndexError on micro-batch 2")),
     ("mxnet", "loss-raises", [], Refused("loss_fn raised ValueError on micro-batch 5: a bad label")),
@@ -228,6 +237,9 @@ ROWS = [
     ("mxnet", "loss-is-detached", [], Refused("the loss of micro-batch 0 is not in a computational graph")),
     ("jax", "good", [], Verdict(0, "OK: all 2 tensors")),
     ("jax", "good", ["--inject", "scale"], Verdict(1, "FLAGGED")),
+    ("jax", "good", ["--mode", "compensated"], Refused("accumcheck.jax.check cannot honour mode='compensated'")),
+    ("jax", "good", ["--train-mode"], Refused("accumcheck.jax.check cannot honour train_mode=True")),
+    ("jax", "good", ["--full-batch"], Refused("accumcheck.jax.check cannot honour full_batch=True")),
     ("jax", "loss-is-one", [], Refused("nothing was judged: loss_fn's gradient was zero")),
     ("jax", "loss-stops-gradient", [], Refused("nothing was judged: loss_fn's gradient was zero")),
     ("jax", "generator-raises", [], Refused("iterating batches raised RuntimeError while reading micro-batch 3")),

@@ -89,7 +89,7 @@ def flagged(report):
 
 
 def test_a_flax_like_mlp_is_faithful_and_its_tensors_are_named_from_their_paths():
-    report = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), accum_steps=N)
+    report = accumcheck.jax.check(mlp_params(), mlp_loss, mlp_batches(), accum_steps=N)
     assert report.exit_code == 0 and set(verdicts(report).values()) <= FAITHFUL, verdicts(report)
     accumcheck.assert_faithful(report)
     assert {t.name: t.kind for t in report.tensors} == {
@@ -97,12 +97,12 @@ def test_a_flax_like_mlp_is_faithful_and_its_tensors_are_named_from_their_paths(
         "params.Dense_1.kernel": "weight", "params.LayerNorm_0.bias": "norm", "params.LayerNorm_0.scale": "norm"}
     assert report.framework == "jax" and report.param_dtype == "float32" and report.accum_dtype == "float32"
     assert report.accum_steps == N and report.config == {"model": "mlp_loss", "loss": "loss_fn(params, batch)"}
-    assert report.reproduce_command() == f"accumcheck.jax.check(<your mlp_loss>, params, batches, accum_steps={N})"
+    assert report.reproduce_command() == f"accumcheck.jax.check(params, <your mlp_loss>, batches, accum_steps={N})"
     assert "every_k_schedule=16" in report.settings["native"] and "mlp_loss" in report.reproduce_command()
 
 
 def test_an_embedding_model_with_a_list_of_layers_is_faithful():
-    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches())
+    report = accumcheck.jax.check(embed_params(), embed_loss, embed_batches())
     assert report.exit_code == 0 and set(verdicts(report).values()) <= FAITHFUL, verdicts(report)
     assert {t.name: t.kind for t in report.tensors} == {
         "embed.embeddings": "embedding", "layers.0.b": "bias", "layers.0.w": "weight", "layers.1.b": "bias",
@@ -111,7 +111,7 @@ def test_an_embedding_model_with_a_list_of_layers_is_faithful():
 
 @pytest.mark.parametrize("kind", FAULTS)
 def test_every_fault_is_flagged_on_the_injected_tensor_only(kind):
-    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches(), inject=f"{kind}:layers.0.w")
+    report = accumcheck.jax.check(embed_params(), embed_loss, embed_batches(), inject=f"{kind}:layers.0.w")
     assert flagged(report) == ["layers.0.w"], (kind, verdicts(report))
     assert report.exit_code == 1 and report.inject.startswith(f"{kind}:layers.0.w")
     if kind != "bf16":  # MultiSteps' running mean rounded to bfloat16 is not a running sum's pattern
@@ -119,7 +119,7 @@ def test_every_fault_is_flagged_on_the_injected_tensor_only(kind):
 
 
 def test_a_bfloat16_running_sum_is_explained_and_the_default_target_is_the_embedding():
-    report = accumcheck.jax.check(embed_loss, embed_params(), embed_batches(), inject="bf16", grad_mean=False)
+    report = accumcheck.jax.check(embed_params(), embed_loss, embed_batches(), inject="bf16", grad_mean=False)
     assert flagged(report) == ["embed.embeddings"]
     assert_explained(report.flagged[0], "bf16", N)
     assert report.config == {"model": "embed_loss", "loss": "loss_fn(params, batch)", "inject": "bf16", "grad_mean": False}
@@ -128,12 +128,12 @@ def test_a_bfloat16_running_sum_is_explained_and_the_default_target_is_the_embed
 def test_the_roundoff_control_is_not_flagged():
     for loss_fn, params, batches, target in ((embed_loss, embed_params(), embed_batches(), "embed.embeddings"),
                                              (mlp_loss, mlp_params(), mlp_batches(), "params.Dense_1.kernel")):
-        report = accumcheck.jax.check(loss_fn, params, batches, inject=f"roundoff:{target}")
+        report = accumcheck.jax.check(params, loss_fn, batches, inject=f"roundoff:{target}")
         assert report.exit_code == 0 and report.inject.startswith("roundoff"), verdicts(report)
 
 
 def test_bfloat16_parameters_lose_precision_in_multisteps_and_the_float32_buffer_keeps_it():
-    report = accumcheck.jax.check(mlp_loss, mlp_params(jnp.bfloat16), mlp_batches())
+    report = accumcheck.jax.check(mlp_params(jnp.bfloat16), mlp_loss, mlp_batches())
     assert report.param_dtype == "bfloat16" and report.accum_dtype == "float32" and report.exit_code == 1
     assert set(verdicts(report).values()) == {"precision-loss"}, verdicts(report)
     for t in report.tensors:
@@ -144,7 +144,7 @@ def test_bfloat16_parameters_lose_precision_in_multisteps_and_the_float32_buffer
 
 
 def test_float16_parameters_lose_precision_too():
-    report = accumcheck.jax.check(mlp_loss, mlp_params(jnp.float16), mlp_batches())
+    report = accumcheck.jax.check(mlp_params(jnp.float16), mlp_loss, mlp_batches())
     assert report.param_dtype == "float16" and report.exit_code == 1
     assert set(verdicts(report).values()) <= {"precision-loss", "identical"} and report.flagged
 
@@ -153,7 +153,7 @@ def test_mixed_dtypes_are_each_judged_by_their_own():
     params = mlp_params()
     for layer in ("Dense_0", "Dense_1"):
         params["params"][layer]["kernel"] = params["params"][layer]["kernel"].astype(jnp.bfloat16)
-    report = accumcheck.jax.check(mlp_loss, params, mlp_batches())
+    report = accumcheck.jax.check(params, mlp_loss, mlp_batches())
     assert report.param_dtype == "float32" and report.accum_dtype == "float32"
     for name, verdict in verdicts(report).items():
         assert verdict == ("precision-loss" if name.endswith("kernel") else "round-off"), (name, verdict)
@@ -163,7 +163,7 @@ def test_mixed_dtypes_are_each_judged_by_their_own():
 def test_float64_parameters_run_in_x64_mode_for_the_check_only():
     params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), mlp_params())  # numpy: x64 is off here
     before = snapshot(params)
-    report = accumcheck.jax.check(mlp_loss, params, mlp_batches(), inject="scale:params.Dense_0.kernel", oracle=True)
+    report = accumcheck.jax.check(params, mlp_loss, mlp_batches(), inject="scale:params.Dense_0.kernel", oracle=True)
     assert report.param_dtype == "float64" and report.accum_dtype == "float64"
     assert flagged(report) == ["params.Dense_0.kernel"]
     assert_explained(report.flagged[0], "scale", N)
@@ -173,8 +173,8 @@ def test_float64_parameters_run_in_x64_mode_for_the_check_only():
 
 @pytest.mark.parametrize("inject", [None, pytest.param("drop-step:params.Dense_1.kernel", marks=pytest.mark.slow)])
 def test_jit_off_gives_the_same_verdicts(inject):
-    on = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject)
-    off = accumcheck.jax.check(mlp_loss, mlp_params(), mlp_batches(), inject=inject, jit=False)
+    on = accumcheck.jax.check(mlp_params(), mlp_loss, mlp_batches(), inject=inject)
+    off = accumcheck.jax.check(mlp_params(), mlp_loss, mlp_batches(), inject=inject, jit=False)
     assert verdicts(off) == verdicts(on) and off.exit_code == on.exit_code
     assert off.settings["jit"] is False and off.config["jit"] is False and "op by op (no jit)" in off.notes
 
@@ -184,11 +184,11 @@ def test_the_users_params_batches_and_x64_flag_are_left_as_found():
     numpy_params = jax.tree_util.tree_map(np.asarray, mlp_params())
     before = snapshot(params), snapshot(batches), snapshot(numpy_params)
     x64 = jax.config.jax_enable_x64
-    report = accumcheck.jax.check(embed_loss, params, batches, oracle=True, inject="double-step:layers.1.w")
+    report = accumcheck.jax.check(params, embed_loss, batches, oracle=True, inject="double-step:layers.1.w")
     assert flagged(report) == ["layers.1.w"] and report.oracle
     assert all(t.oracle_err_native is not None and t.oracle_err_manual is not None for t in report.tensors)
     assert report.losses["oracle_mean_loss"] == pytest.approx(report.losses["mean_loss"], rel=1e-5)
-    accumcheck.jax.check(mlp_loss, numpy_params, mlp_batches(), oracle=True)
+    accumcheck.jax.check(numpy_params, mlp_loss, mlp_batches(), oracle=True)
     assert (snapshot(params), snapshot(batches), snapshot(numpy_params)) == before
     assert jax.config.jax_enable_x64 == x64 and jnp.asarray(np.zeros(1)).dtype == jnp.float32
 
@@ -221,23 +221,37 @@ X = [np.ones((4, 3), np.float32)] * 4
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
-    ((float32_only, "w", X), {}, r"params leaf 'params' is a str, not an array"),
-    ((float32_only, {"w": jnp.ones(3, jnp.int32)}, X), {}, r"params leaf 'w' is int32; every array"),
-    ((float32_only, {"w": 1.0}, X), {}, r"params leaf 'w' is a float, not an array"),
-    ((float32_only, {"w": None}, X), {}, r"params holds no arrays"),
-    ((W, float32_only, X), {}, r"loss_fn must be a function .* check\(loss_fn, params, batches\)"),
-    ((float32_only, W, []), {}, r"batches is empty"),
-    ((float32_only, W, None), {}, r"batches is missing"),
-    ((float32_only, W, X), {"accum_steps": 8}, r"accum_steps=8 but only 4 batches were given"),
-    ((float32_only, W, X), {"accum_steps": 0}, r"accum_steps must be a positive integer"),
-    ((float32_only, W, lambda k: X[0]), {}, r"batches is a function; pass accum_steps"),
-    ((non_scalar, W, X), {}, r"loss_fn returned an array of shape \(4, 2\) on micro-batch 0, not a scalar"),
-    ((with_aux, W, X), {}, r"loss_fn returned a tuple of 2 items .* it must return the scalar loss alone"),
-    ((shapes_wrong, W, X), {}, r"loss_fn raised TypeError on micro-batch 0: .*takes your params and batches"),
-    ((python_branch, W, X), {}, r"loss_fn raised \w+ on micro-batch 0: .*pass jit=False"),
-    ((float32_only, W, X), {"inject": "scale:v"}, r"no parameter named 'v'; this case has w"),
-    ((float32_only, W, X), {"jit": "yes"}, r"jit must be True or False"),
-    ((float32_only, W, X), {"oracle": True}, r"oracle=True runs loss_fn on a float64 copy of params .* raised "
+    (("w", float32_only, X), {}, r"params leaf 'params' is a str, not an array"),
+    (({"w": jnp.ones(3, jnp.int32)}, float32_only, X), {}, r"params leaf 'w' is int32; every array"),
+    (({"w": 1.0}, float32_only, X), {}, r"params leaf 'w' is a float, not an array"),
+    (({"w": None}, float32_only, X), {}, r"params holds no arrays"),
+    ((float32_only, W, X), {}, r"accumcheck.jax.check takes check\(params, loss_fn, batches\): the parameters first"),
+    ((W, W, X), {}, r"loss_fn must be a function, got a dict"),
+    ((W, None, X), {}, r"loss_fn is missing; pass loss_fn\(params, batch\)"),
+    ((W,), {"batches": X}, r"loss_fn is missing"),
+    ((W, float32_only, []), {}, r"batches is empty"),
+    ((W, float32_only, None), {}, r"batches is missing"),
+    ((W, float32_only, X), {"accum_steps": 8}, r"accum_steps=8 but only 4 batches were given"),
+    ((W, float32_only, X), {"accum_steps": 0}, r"accum_steps must be a positive integer"),
+    ((W, float32_only, lambda k: X[0]), {}, r"batches is a function; pass accum_steps"),
+    ((W, non_scalar, X), {}, r"loss_fn returned an array of shape \(4, 2\) on micro-batch 0, not a scalar"),
+    ((W, with_aux, X), {}, r"loss_fn returned a tuple of 2 items .* it must return the scalar loss alone"),
+    ((W, shapes_wrong, X), {}, r"loss_fn raised TypeError on micro-batch 0: .*takes your params and batches"),
+    ((W, python_branch, X), {}, r"loss_fn raised \w+ on micro-batch 0: .*pass jit=False"),
+    ((W, float32_only, X), {"inject": "scale:v"}, r"no parameter named 'v'; this case has w"),
+    ((W, float32_only, X), {"jit": "yes"}, r"jit must be True or False"),
+    ((W, float32_only, X), {"step": float32_only}, r"accumcheck.jax.check cannot honour step=<function> "
+                                                   r"\(loss_fn\(params, batch\) is the step"),
+    ((W, float32_only, X), {"mode": "compensated"}, r"cannot honour mode='compensated' \(optax.MultiSteps is"),
+    ((W, float32_only, X), {"full_batch": True}, r"cannot honour full_batch=True"),
+    ((W, float32_only, X), {"collate": list}, r"cannot honour collate="),
+    ((W, float32_only, X), {"loss_reduction": "sum"}, r"cannot honour loss_reduction='sum'"),
+    ((W, float32_only, X), {"train_mode": True}, r"cannot honour train_mode=True \(loss_fn\(params, batch\) is "
+                                                 r"a pure function"),
+    ((W, float32_only, X), {"memory_budget": "1G"}, r"cannot honour memory_budget='1G' .*; leave it out"),
+    ((W, float32_only, X), {"device": "tpu"}, r"device 'tpu' is not a device name"),
+    ((W, float32_only, X), {"device": "gpu:7"}, r"device 'gpu:7': jax .* sees \d gpu device"),
+    ((W, float32_only, X), {"oracle": True}, r"oracle=True runs loss_fn on a float64 copy of params .* raised "
                                              r"ValueError on micro-batch 0: this model runs in float32 only"),
 ])
 def test_bad_input_is_one_clear_line(args, kwargs, match):
@@ -248,8 +262,16 @@ def test_bad_input_is_one_clear_line(args, kwargs, match):
     assert jax.config.jax_enable_x64 == x64
 
 
+@pytest.mark.parametrize("device", ["cpu", "cpu-object"])
+def test_the_device_where_params_are_is_honoured_and_numpy_params_go_there(device):
+    where = jax.devices("cpu")[0] if device == "cpu-object" else device
+    for params in (W, {"w": np.ones((3, 2), np.float32)}):
+        report = accumcheck.jax.check(params, float32_only, X, device=where)
+        assert report.exit_code == 0 and report.device == "cpu"
+
+
 def test_python_branches_run_with_jit_off_and_batches_may_be_a_function():
-    report = accumcheck.jax.check(python_branch, W, lambda k: X[0] * (k + 1), accum_steps=4, jit=False)
+    report = accumcheck.jax.check(W, python_branch, lambda k: X[0] * (k + 1), accum_steps=4, jit=False)
     assert report.exit_code == 0 and report.accum_steps == 4
 
 
@@ -322,10 +344,10 @@ def test_a_loss_that_draws_random_numbers_leaves_both_generators_params_and_x64_
     np.random.seed(1)
     before, held = _host_states(), snapshot(params)
     if fails is None:
-        assert accumcheck.jax.check(loss_fn, params, SMALL_BATCHES, **kwargs).exit_code == 0
+        assert accumcheck.jax.check(params, loss_fn, SMALL_BATCHES, **kwargs).exit_code == 0
     else:
         with pytest.raises(accumcheck.UserCodeError, match="raised ValueError on micro-batch 5: micro-batch 5 is bad"):
-            accumcheck.jax.check(loss_fn, params, SMALL_BATCHES, **kwargs)
+            accumcheck.jax.check(params, loss_fn, SMALL_BATCHES, **kwargs)
     assert _host_states() == before and snapshot(params) == held
 
 
@@ -345,10 +367,10 @@ def test_numpy_params_the_users_code_edits_in_place_are_put_back_and_the_check_d
 
     if fails:
         with pytest.raises(accumcheck.UserCodeError, match="micro-batch 5"):
-            accumcheck.jax.check(editing, params, SMALL_BATCHES, jit=False)
+            accumcheck.jax.check(params, editing, SMALL_BATCHES, jit=False)
     else:
-        edited = accumcheck.jax.check(editing, params, SMALL_BATCHES, jit=False)
-        clean = accumcheck.jax.check(small_loss, small_numpy_params(), SMALL_BATCHES, jit=False)
+        edited = accumcheck.jax.check(params, editing, SMALL_BATCHES, jit=False)
+        clean = accumcheck.jax.check(small_numpy_params(), small_loss, SMALL_BATCHES, jit=False)
         assert [t.max_abs_grad for t in edited.tensors] == [t.max_abs_grad for t in clean.tensors]
         assert edited.exit_code == 0
     assert snapshot(params) == held
@@ -364,7 +386,7 @@ CONSTANT_RUNS = [("1.0", True), ("times zero", True), ("times zero", False), ("s
 @pytest.mark.parametrize("loss, jit", CONSTANT_RUNS, ids=[f"{n}-{'jit' if j else 'no jit'}" for n, j in CONSTANT_RUNS])
 def test_a_loss_that_does_not_depend_on_params_is_refused_naming_the_fix(loss, jit):
     with pytest.raises(accumcheck.NothingJudgedError) as info:
-        accumcheck.jax.check(CONSTANT_LOSSES[loss], small_numpy_params(), SMALL_BATCHES, jit=jit)
+        accumcheck.jax.check(small_numpy_params(), CONSTANT_LOSSES[loss], SMALL_BATCHES, jit=jit)
     text = str(info.value)
     assert "\n" not in text and text.startswith("check: nothing was judged: loss_fn's gradient was zero for all 2 "
                                                 "arrays of params in the 8 micro-batches")
@@ -378,6 +400,6 @@ def test_sys_exit_in_the_loss_is_the_users_error_naming_the_micro_batch():
         return small_loss(params, batch)
 
     with pytest.raises(accumcheck.UserCodeError) as info:
-        accumcheck.jax.check(leaving, small_numpy_params(), SMALL_BATCHES, jit=False)
+        accumcheck.jax.check(small_numpy_params(), leaving, SMALL_BATCHES, jit=False)
     assert "loss_fn raised SystemExit on micro-batch 5: exit code 3" in str(info.value)
     assert isinstance(info.value.__cause__, SystemExit)

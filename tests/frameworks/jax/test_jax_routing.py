@@ -1,6 +1,6 @@
-"""A JAX loss function reaches accumcheck.jax.check from the places that route a user's model by
-its framework: the pytest plugin's ``accum_check`` and ``accumcheck check FILE.py``. A loss
-function is told by its parameters' arrays, since a Python function names no framework."""
+"""JAX parameters reach accumcheck.jax.check from the places that route a user's model by its
+framework: the pytest plugin's ``accum_check`` and ``accumcheck check FILE.py``. They are told by
+their arrays, since a pytree of dicts and a Python function name no framework."""
 
 import textwrap
 
@@ -45,20 +45,22 @@ def _model():
     return namespace["loss_fn"], namespace["make_params"](), namespace["make_batches"]()
 
 
-def test_a_loss_function_of_jax_arrays_is_routed_to_jax():
+def test_jax_parameters_are_routed_to_jax_and_so_is_the_former_order():
     loss_fn, params, _ = _model()
-    assert user_check(loss_fn, "accum_check", params) == ("jax", accumcheck.jax.check)
-    assert user_check(loss_fn, "accum_check", ((), [{}, params]))[0] == "jax"  # haiku-like lists, tuples
+    assert user_check(params, "accum_check") == ("jax", accumcheck.jax.check)
+    assert user_check(((), [{}, params]), "accum_check")[0] == "jax"  # haiku-like lists, tuples
+    assert user_check(loss_fn, "accum_check", params)[0] == "jax"  # whose check names the order it takes
 
 
-def test_a_function_of_numpy_arrays_is_refused_in_one_line():
+def test_numpy_parameters_and_a_lone_function_are_refused_in_one_line():
     loss_fn, params, _ = _model()
     host = {"dense": {"kernel": np.ones((8, 16), np.float32)}}
-    for args in ((loss_fn, "accum_check", host), (loss_fn, "accum_check")):
+    for args, name in (((host, "accum_check"), "dict"), ((loss_fn, "accum_check", host), "function"),
+                       ((loss_fn, "accum_check"), "function")):
         with pytest.raises(AccumcheckError) as raised:
             user_check(*args)
-        assert "function is not a model of a framework accumcheck checks here" in str(raised.value)
-        assert "or a loss function with its jax parameters" in str(raised.value) and "\n" not in str(raised.value)
+        assert f"{name} is not a model of a framework accumcheck checks here" in str(raised.value)
+        assert "or the jax parameters of a loss function" in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_accum_check_runs_a_jax_loss_function_at_each_step_count(pytester):
@@ -68,17 +70,26 @@ def test_accum_check_runs_a_jax_loss_function_at_each_step_count(pytester):
 
 
         def test_faithful(accum_check, accum_steps):
-            report = accum_check(loss_fn, make_params(), make_batches())
+            report = accum_check(make_params(), loss_fn, make_batches())
             assert report.exit_code == 0 and report.accum_steps == accum_steps
             assert report.framework == "jax" and len(report.tensors) == 3
 
 
         def test_fault_is_caught(accum_check):
-            report = accum_check(loss_fn, make_params(), make_batches(), inject="scale:out.kernel")
+            report = accum_check(make_params(), loss_fn, make_batches(), inject="scale:out.kernel")
             assert report.exit_code == 1 and [t.name for t in report.flagged] == ["out.kernel"]
+
+
+        def test_no_budget_is_given_to_a_check_that_cannot_honour_it(accum_check):
+            assert accum_check(make_params(), loss_fn, make_batches()).exit_code == 0
+
+
+        def test_the_former_order_is_refused_naming_the_new_one(accum_check):
+            accum_check(loss_fn, make_params(), make_batches())
     '''))
-    result = pytester.runpytest_subprocess("--accum-steps", "4,8", "-q")
-    result.assert_outcomes(passed=4)
+    result = pytester.runpytest_subprocess("--accum-steps", "4,8", "--accum-memory-budget", "1G", "-q")
+    result.assert_outcomes(passed=6, errors=2)
+    result.stdout.fnmatch_lines(["*accumcheck.jax.check takes check(params, loss_fn, batches)*"])
 
 
 def test_check_file_with_a_loss_function(tmp_path, cli):
@@ -94,4 +105,6 @@ def test_check_file_with_a_loss_function(tmp_path, cli):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK: all 3 tensors faithful" in done.stdout
     wrong = cli("check", str(tmp_path / "setup_jax.py"), "--accum-steps", "8", "--memory-budget", "1000", cwd=tmp_path)
-    assert wrong.returncode == 2 and "--memory-budget is not an argument of accumcheck.jax.check" in wrong.stderr
+    assert wrong.returncode == 2, wrong.stderr
+    assert wrong.stderr.strip() == ("accumcheck: error: check: accumcheck.jax.check cannot honour memory_budget=1000 "
+                                    "(it runs every parameter at once); leave it out")

@@ -141,8 +141,9 @@ def test_micro_batches_join_where_they_can_and_need_collate_where_they_cannot():
 @pytest.mark.parametrize("kwargs, message", [
     ({"full_batch": "yes"}, "full_batch must be True or False, got 'yes'"),
     ({"oracle": 1}, "oracle must be True or False, got 1"),
-    ({"full_batch": True, "loss_reduction": "avg"}, "loss_reduction must be one of mean, sum, token_count, got 'avg'"),
-    ({"full_batch": True, "collate": 3}, "collate must be callable, got a int"),
+    ({"full_batch": True, "loss_reduction": "avg"},
+     "loss_reduction must be one of mean, sum, token_count (or None: sum, this framework's convention), got 'avg'"),
+    ({"full_batch": True, "collate": 3}, "collate must be a function, got a int"),
 ])
 def test_bad_full_batch_arguments_are_one_line(kwargs, message):
     with pytest.raises(AccumcheckError) as raised:

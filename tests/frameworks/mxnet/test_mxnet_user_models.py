@@ -428,7 +428,33 @@ def test_loss_fn_and_step_together_and_no_batches_are_one_line():
     _one_line(excinfo, "loss_fn or step, not both")
     with pytest.raises(accumcheck.AccumcheckError) as excinfo:
         accumcheck.mxnet.check(_mlp(), SOFTMAX)
-    _one_line(excinfo, "batches is required")
+    _one_line(excinfo, "batches is missing")
+
+
+def _labelled():
+    return [(x, mx.nd.array([0, 1, 2, 0])) for x in _features(4)]
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cpu:0", mx.cpu(0)])
+def test_the_device_is_a_context_or_a_name_as_pytorch_takes_it(device):
+    report = accumcheck.mxnet.check(_mlp(), SOFTMAX, _labelled(), device=device)
+    assert report.exit_code == 0 and report.device == "cpu(0)"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"device": "tpu"}, ["device 'tpu' is not a device MXNet has", "mx.Context", "cuda:N"]),
+    ({"device": 3}, ["device 3 is not a device MXNet has"]),
+    ({"device": "gpu:1"}, ["parameters are on cpu(0), not gpu:1", "pass device=mx.cpu(0)"]),
+    ({"device": mx.cpu(1)}, ["parameters are on cpu(0), not cpu(1)"]),
+    ({"memory_budget": "1G"}, ["accumcheck.mxnet.check cannot honour memory_budget='1G'", "every parameter at once",
+                               "leave it out"]),
+    ({"accum_steps": 0}, ["accum_steps must be a positive integer, got 0"]),
+    ({"inject": 3}, ["inject must be a text"]),
+])
+def test_a_device_it_cannot_use_and_a_budget_are_refused_in_one_line(kwargs, words):
+    with pytest.raises(accumcheck.AccumcheckError) as excinfo:
+        accumcheck.mxnet.check(_mlp(), SOFTMAX, _labelled(), **kwargs)
+    _one_line(excinfo, *words)
 
 
 def test_what_step_returns():

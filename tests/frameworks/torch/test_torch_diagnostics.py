@@ -442,6 +442,21 @@ def test_bad_arguments_are_refused_when_the_monitor_is_made(argument, message):
     assert str(info.value).startswith(message), info.value
 
 
+@pytest.mark.parametrize("steps", [0, -1, 1.5])
+def test_a_window_of_no_steps_is_refused_as_gluons_monitor_refuses_it(steps):
+    """enable(0) used to pass here and open a window that ended before it began."""
+    monitor = GradMonitor(Blocks())
+    with pytest.raises(AccumcheckError, match=f"^GradMonitor: steps={steps!r} is not a positive integer"):
+        monitor.enable(steps)
+    assert monitor.window_end == -1
+
+
+def test_a_model_with_nothing_to_watch_is_refused_when_the_monitor_is_made():
+    model = Blocks().requires_grad_(False)
+    with pytest.raises(AccumcheckError, match="^GradMonitor: no parameter requires grad"):
+        GradMonitor(model)
+
+
 def test_the_monitor_takes_the_usual_arguments_as_they_are():
     monitor = GradMonitor(Blocks(), log_every=3, top_k=2, clip_threshold=0.5)
     assert (monitor.log_every, monitor.top_k, monitor.clip_threshold) == (3, 2, 0.5)
