@@ -27,15 +27,18 @@ def _deliver(signum: int) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_each_signal_raises_one_terminated_and_the_handlers_come_back(signum):
     # Python's own handler, as a plain program has it (a handler the host program set instead is
-    # kept, as test_an_ignored_signal_stays_ignored shows; tests/conftest.py puts it back)
+    # kept, as test_an_ignored_signal_stays_ignored shows), and what was there put back after
     before = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-    signal.signal(signum, before)
-    with ending_signals():
-        with pytest.raises(Terminated) as caught:
-            _deliver(signum)
-        assert isinstance(caught.value, KeyboardInterrupt) and signal_number(caught.value) == signum
-    assert signal.getsignal(signum) is before
-    raise_pending()  # the block's end took every signal: nothing is raised again
+    found = signal.signal(signum, before)
+    try:
+        with ending_signals():
+            with pytest.raises(Terminated) as caught:
+                _deliver(signum)
+            assert isinstance(caught.value, KeyboardInterrupt) and signal_number(caught.value) == signum
+        assert signal.getsignal(signum) is before
+        raise_pending()  # the block's end took every signal: nothing is raised again
+    finally:
+        signal.signal(signum, found)
 
 
 def test_a_terminated_swallowed_by_a_ctypes_callback_is_raised_again_at_the_next_step(monkeypatch):
