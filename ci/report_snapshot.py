@@ -6,7 +6,7 @@ with every fault, then compare a later snapshot with it field by field.
     python ci/report_snapshot.py compare before/ after/   # exit 1 on any difference
     python ci/report_snapshot.py compare before/ after/ --sums-rtol 1e-12   # sums in another order
 
-Runs (N = 16 micro-steps, the CPU): each built-in case x {torch, mxnet, torch+mxnet} x {no fault,
+Runs (N = 16 micro-steps, the CPU): each built-in case x {torch, mxnet, jax, torch+mxnet, torch+jax} x {no fault,
 each fault kind}, one data-parallel run (two gloo ranks, a fault on rank 1), and one run for each
 option that changes what is run or judged (dtypes, modes, full batch, oracle, hybridize, seed,
 the all-reduce's dtype, two refused combinations). A run that raises is recorded as its error
@@ -39,7 +39,7 @@ except ImportError:  # earlier layouts: a flat package
         from accumcheck.cases import builtin_case_names
 
 STEPS = 16
-FRAMEWORKS = ("torch", "mxnet", "torch+mxnet")
+FRAMEWORKS = ("torch", "mxnet", "jax", "torch+mxnet", "torch+jax")
 FAULTS = (None, "drop-step", "double-step", "scale", "bf16", "roundoff")
 DATA_PARALLEL = {"case": "shared-weight", "inject": "scale", "world_size": 2, "inject_rank": 1}
 # Each option that changes what is run or judged, once.
@@ -58,6 +58,15 @@ OPTIONS = {
     "seed": {"case": "shared-weight", "framework": "torch", "seed": 7, "inject": "double-step:out.weight"},
     "reduce-dtype-bfloat16": {"case": "embed-attention", "framework": "torch", "world_size": 2,
                               "reduce_dtype": "bfloat16"},
+    "memory-budget-torch": {"case": "transformer-small", "framework": "torch", "memory_budget": "132M",
+                            "inject": "scale"},
+    "memory-budget-mxnet": {"case": "transformer-small", "framework": "mxnet", "memory_budget": "132M",
+                            "inject": "drop-step"},
+    "full-batch-mxnet": {"case": "padded-tokens", "framework": "mxnet", "full_batch": True},
+    "full-batch-mxnet-token-count": {"case": "padded-tokens", "framework": "mxnet", "full_batch": True,
+                                     "loss_reduction": "token_count"},
+    "oracle-jax": {"case": "embed-attention", "framework": "jax", "oracle": True},
+    "jax-nojit": {"case": "tiny-grads", "framework": "jax", "jit": False, "inject": "scale"},
     "refused-mxnet-bfloat16": {"case": "embed-attention", "framework": "mxnet", "dtype": "bfloat16"},
     "refused-world-size-mxnet": {"case": "embed-attention", "framework": "mxnet", "world_size": 2},
 }
