@@ -42,7 +42,7 @@ class TorchBackend(Backend):
         return found
 
     def model_check(self) -> Callable[..., Any]:
-        from .model_check import check
+        from .usercheck import check
 
         return check
 
@@ -52,7 +52,7 @@ class TorchBackend(Backend):
             from .distributed import run_data_parallel
 
             return run_data_parallel(config, self.versions(), progress)
-        from .run import run_single
+        from .builtin import run_single
 
         return run_single(config, self.versions(), progress, weights)
 
@@ -63,13 +63,13 @@ class TorchBackend(Backend):
 
     def run_groups(self, config: RunConfig, groups: list[list[str]], progress: Progress | None = None
                    ) -> Iterator[RunResult]:
-        from .run import run_groups
+        from .builtin import run_groups
 
         return run_groups(config, groups, self.versions(), progress)
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
-        from .run import micro_gradients
+        from .builtin import micro_gradients
 
         return micro_gradients(config, names, progress, weights)
 

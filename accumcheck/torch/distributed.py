@@ -56,8 +56,9 @@ from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.launch import launched_world_size, raise_pending
 from ..run.results import ParamAccumulation, RankAccumulation, RunResult
+from .builtin import case_native
 from .casemodel import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
-from .passes import accumulate, case_sums
+from .passes import accumulate
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 # A rank waits this long for the others at a collective before giving up (the single-process
@@ -371,12 +372,10 @@ def _single_process(case: Case, weights: dict[str, np.ndarray], steps: int, worl
     """The same global micro-batches accumulated natively in one process, divided by W (and the
     float64 model's, with ``oracle``); and the mean loss."""
     total = world_size * steps
-    model = build_model(case, weights, torch.float32, dev)
-    run = case_sums(case, model, total, dev, None, progress, "single-process reference")
-    single = {name: to_numpy(g / world_size) for name, g in run["native"].items()}
+    native, loss = case_native(case, weights, torch.float32, dev, total, progress, "single-process reference")
+    single = {name: to_numpy(g / world_size) for name, g in native.items()}
     exact_oracle = None
     if oracle:
-        model64 = build_model(case, weights, torch.float64, dev)
-        run64 = case_sums(case, model64, total, dev, None, progress, "float64 oracle")
-        exact_oracle = {name: to_numpy(g / world_size) for name, g in run64["native"].items()}
-    return single, exact_oracle, run["loss"]
+        native64, _ = case_native(case, weights, torch.float64, dev, total, progress, "float64 oracle")
+        exact_oracle = {name: to_numpy(g / world_size) for name, g in native64.items()}
+    return single, exact_oracle, loss

@@ -18,13 +18,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..case.definition import Case
 from ..errors import USER_EXCEPTIONS, AccumcheckError
 from ..judge.hostsums import add_held, add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector
 from .accumulator import GradAccumulator
-from .casemodel import case_loss, to_inputs
 
 # On the CPU, eight micro-steps are held and added in one pass, as long as they take no more than
 # HELD_BYTES: eight separate passes would read and write manual, E and S eight times.
@@ -181,31 +179,6 @@ def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInject
     replaced = injector.after_add(step, accumulator.total(index))
     if replaced is not None:
         accumulator.replace(index, replaced)
-
-
-def case_sums(case: Case, model: Any, accum_steps: int, dev: Any, fault: Fault | None, progress: Progress | None,
-              phase: str, accum_dtype: Any = None, mode: str = "native",
-              params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Stream the case's micro-steps through ``model`` (``build_model``'s); see ``accumulate``.
-    ``params``: the parameters to record (a memory budget's group of them, which holds no
-    micro-gradient beyond its step; default all). The result also holds "first_logits": the
-    model's output for micro-batch 0 (to compare forward passes across frameworks)."""
-    dtype = next(model.parameters()).dtype
-    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
-    first: list[Any] = []
-
-    def step_loss(step: int) -> Any:
-        batch = case.batch(step)
-        labels = torch.from_numpy(batch.labels).to(dev)
-        logits = model(to_inputs(batch.inputs, dev, dtype), batch.index)
-        if step == 0:
-            first.append(logits.detach())
-        return case_loss(case, logits, labels, total)
-
-    result = accumulate(model.canonical if params is None else params, step_loss, accum_steps, fault, progress, phase,
-                        accum_dtype, mode, hold_steps=params is None, hold_refs=True)
-    result["first_logits"] = first[0] if first else None
-    return result
 
 
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,

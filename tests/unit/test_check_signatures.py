@@ -23,7 +23,7 @@ def framework_check(framework: str):
     pytest.importorskip(framework)
     if framework == "jax":
         pytest.importorskip("optax")
-    return importlib.import_module(f"accumcheck.{framework}.model_check").check
+    return importlib.import_module(f"accumcheck.{framework}").check
 
 
 def described(check) -> list[tuple[str, object, object]]:

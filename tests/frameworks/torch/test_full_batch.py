@@ -38,11 +38,16 @@ def test_a_loss_summed_over_tokens_where_the_mean_is_meant_is_the_token_count_ti
 
     from accumcheck.judge import full_batch_verdict
     from accumcheck.run.results import FullBatchGap
-    from accumcheck.torch.fullbatch import full_batch_gap
+    from accumcheck.torch import engine
+    from accumcheck.torch.builtin import CaseSubject
 
-    case, cpu = builtin_case("padded-tokens"), torch.device("cpu")
-    summed = full_batch_gap(case.with_reduction("sum"), case.weights(), 4, cpu)  # sums over tokens
-    mean = full_batch_gap(case.with_reduction("token_count"), case.weights(), 4, cpu)  # its full batch: the mean
+    def full_batch_gap(case):
+        subject = CaseSubject(case, case.weights(), torch.float32, torch.device("cpu"), 4)
+        return engine.float64_pass(subject, *subject.float64_twin(), True, None).full_batch
+
+    case = builtin_case("padded-tokens")
+    summed = full_batch_gap(case.with_reduction("sum"))  # sums over tokens
+    mean = full_batch_gap(case.with_reduction("token_count"))  # its full batch: the mean
     check = full_batch_verdict(FullBatchGap("mean", "1", summed.accumulated, mean.full, summed.item_counts), 4)
     assert check.constant and check.matches == "T" and check.spread < 1e-12 and check.residual < 1e-12
     assert check.factor == pytest.approx(case.token_count(4), rel=1e-12)

@@ -68,11 +68,11 @@ def _differences(a, b, where=""):
 @pytest.mark.parametrize("fault", [None, *FAULT_KINDS])
 @pytest.mark.parametrize("case", builtin_case_names())
 def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, fault, monkeypatch):
-    from accumcheck.torch import run as torch_run
+    from accumcheck.torch import engine
     from accumcheck.torch.backend import TorchBackend
     from accumcheck.torch.judging import HostCopy
 
-    monkeypatch.setattr(torch_run, "judged_on_device", lambda device: True)
+    monkeypatch.setattr(engine, "judged_on_device", lambda device: True)
     config = configure({"case": case, "framework": "torch", "accum_steps": 16, "inject": fault})
     run = TorchBackend().run(config)
     assert all(p.reducer is not None and isinstance(p.native, HostCopy) for p in run.params)
@@ -92,7 +92,7 @@ def test_every_case_and_fault_judged_on_the_device_gives_the_host_report(case, f
 @pytest.mark.parametrize("inject", [None, "scale", "drop-step"])
 def test_your_own_model_judged_on_the_device_gives_the_host_report(inject, monkeypatch):
     import accumcheck.torch
-    from accumcheck.torch import model_check
+    from accumcheck.torch import engine
 
     def model():
         torch.manual_seed(0)
@@ -109,7 +109,7 @@ def test_your_own_model_judged_on_the_device_gives_the_host_report(inject, monke
 
     on_host = accumcheck.torch.check(model(), loss_fn, batches(), accum_steps=8, inject=inject).to_dict()
     made = []
-    monkeypatch.setattr(model_check, "judged_on_device", lambda device: made.append(device) or True)
+    monkeypatch.setattr(engine, "judged_on_device", lambda device: made.append(device) or True)
     on_device = accumcheck.torch.check(model(), loss_fn, batches(), accum_steps=8, inject=inject).to_dict()
     assert made and _differences(on_device, on_host) == []
     assert (inject is None) == all(t["verdict"] != "diverged" for t in on_device["tensors"])

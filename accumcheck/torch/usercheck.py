@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..case.definition import infer_kind
-from ..errors import USER_EXCEPTIONS, AccumcheckError
+from ..errors import AccumcheckError
 from ..files import size_text
 from ..judge import Judge, build_report
 from ..report import Report
@@ -42,13 +42,10 @@ from ..run.faults import resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .casemodel import deterministic, isolated, to_numpy
-from .judging import device_arrays, judged_on_device
-from .model_fullbatch import full_batch_gap
+from . import engine
 from .modelstate import ModelState, snapshot_bytes
 from .needs import model_needs
-from .passes import accumulate
-from .userbatch import backward_error, micro_loss, to_device
+from .userbatch import backward_error, item_count, join, micro_loss, to_device
 
 AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Every shared option is honoured; a loss_reduction of None is PyTorch's convention, a mean per micro-batch.
@@ -143,17 +140,95 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
     check_resources(need if budget is not None else dataclasses.replace(need, bytes=need.bytes + kept), "check",
                     force=force)
     parts = _groups(model_needs(params, accum_dtype, mode, scale, where), budget, kept)
-    user = "step" if step is not None else "loss_fn" if loss_fn is not None else "the model"
 
-    def step_loss(net: Any, dtype: Any, autocast_to: Any = None, scaled: float | None = None) -> Callable[[int], Any]:
-        watched = list(net.parameters())
+    saved = ModelState(model)
+    subject = ModelSubject(model, groups, where, steps, get_batch, loss_fn, step, collate, uniform, cast, scale,
+                           loss_reduction, train_mode, saved)
+    options = {"mode": mode if mode != "native" else None, "oracle": oracle or None, "inject": inject,
+               "autocast": None if cast is None else str(cast), "train_mode": train_mode or None,
+               "grad_scaler": "<your GradScaler>" if grad_scaler is not None else None,
+               "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None,
+               "memory_budget": budget}
+    loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
+    config = {"model": type(model).__name__, "loss": loss, **{k: v for k, v in options.items() if v is not None}}
+
+    def run_of(names: list[str], sums: engine.Sums, wide: engine.Float64Pass | None = None) -> RunResult:
+        own = mode == "native" and len(set(dtypes.values())) > 1
+        aliases = {g[0][0]: g[0][1:] for g in groups}
+        return RunResult(
+            params=[ParamAccumulation(name, kinds[name], **sums.arrays[name],
+                                      oracle=wide.accumulated[name] if wide is not None and oracle else None,
+                                      dtype=dtypes[name] if own else None, aliases=tuple(aliases[name]),
+                                      steps_with_grad=sums.steps_with_grad.get(name))
+                    for name in names],
+            framework="torch", versions={"torch": torch.__version__}, device=str(where),
+            # the GradAccumulator sums in float32, whatever the parameters' dtype
+            param_dtype=param_dtype if mode == "native" else "float32",
+            accum_dtype=str(accum_dtype).replace("torch.", ""), losses={"mean_loss": sums.loss},
+            notes=_notes(train_mode, cast, scale, dtypes, mode),
+            settings={"train_mode": train_mode, "autocast": None if cast is None else str(cast).replace("torch.", ""),
+                      "grad_scale": scale},
+            full_batch=wide.full_batch if wide is not None else None, grad_scale=scale)
+
+    def replay(names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+        """The micro-gradients of ``names`` again (``engine.replay``), from the model as found; its
+        tensors and values, gradients and flags are as they were before it, after it, also when it
+        stops midway."""
+        return engine.replay(subject, names, progress)
+
+    try:
+        if len(parts) == 1:
+            sums, wide = engine.run_whole(subject, fault, accum_dtype, mode, oracle, full_batch, progress,
+                                          hold_steps=budget is None)
+            run = run_of(list(params), sums, wide)
+            del sums, wide
+        else:  # judged group by group, each group's buffers dropped before the next runs
+            judge = Judge(steps, config, replay)
+            for names, sums in engine.in_groups(subject, parts, fault, accum_dtype, mode, progress):
+                judge.add(run_of(names, sums))
+                del sums
+    finally:
+        saved.restore()
+    if len(parts) > 1:
+        return judge.report(None, fault, oracle, time.perf_counter() - started)
+    return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config, replay=replay)
+
+
+check.shape = SHAPE  # type: ignore[attr-defined]  # what the setup file and the plugin read (checkargs.shape_of)
+
+
+class ModelSubject(engine.Subject):
+    """A user's model, its micro-batches and the loss the user's loop computes (``userbatch``), for
+    the engine. ``uniform``: the parameters' one dtype, for the batches' floating tensors (None
+    where they differ); ``cast``: the autocast dtype; ``saved``: the model as found."""
+
+    strict = False  # a user's model may use an operation without a deterministic kernel: it warns
+
+    def __init__(self, model: Any, groups: list[tuple[list[str], Any]], device: Any, steps: int,
+                 get_batch: Callable[[int], Any], loss_fn: Callable[..., Any] | None,
+                 step: Callable[[Any, Any], Any] | None, collate: Callable[[list[Any]], Any] | None, uniform: Any,
+                 cast: Any, scale: float | None, reduction: str, train_mode: bool, saved: ModelState) -> None:
+        self.model, self.groups, self.device, self.steps = model, groups, device, steps
+        self.params = {names[0]: p for names, p in groups}
+        self.get_batch, self.loss_fn, self.step, self.collate = get_batch, loss_fn, step, collate
+        self.uniform, self.cast, self.scale, self.reduction = uniform, cast, scale, reduction
+        self.train_mode, self.saved = train_mode, saved
+        self.user = "step" if step is not None else "loss_fn" if loss_fn is not None else "the model"
+        self.joined: list[Any] | None = None
+
+    def step_loss(self, net: Any) -> Callable[[int], Any]:
+        """The loss of micro-batch k as the user's loop computes it; on the model in its dtype,
+        under autocast and scaled by the GradScaler's scale, on the float64 twin in float64."""
+        dtype, autocast_to, scaled = (self.uniform, self.cast, self.scale) if net is self.model else \
+            (torch.float64, None, None)
+        watched, where, user = list(net.parameters()), self.device, self.user
 
         def run(index: int) -> Any:
-            batch = to_device(get_batch(index), where, dtype, index)
+            batch = to_device(self.get_batch(index), where, dtype, index)
             grads = list(map(_GRAD, watched))  # to tell a loss that backward() was already called on
             versions = [g._version for g in grads if g is not None]
             with torch.autocast(where.type, dtype=autocast_to) if autocast_to else contextlib.nullcontext():
-                loss = micro_loss(net, batch, index, loss_fn, step)
+                loss = micro_loss(net, batch, index, self.loss_fn, self.step)
             if any(map(operator.is_not, grads, map(_GRAD, watched))) or \
                     versions != [g._version for g in grads if g is not None]:
                 raise AccumcheckError(f"check: {user} changed the parameters' .grad on micro-batch {index} (it called "
@@ -165,127 +240,45 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None,
             return loss * scaled if scaled is not None else loss
         return run
 
-    saved = ModelState(model)
-    twin = None
-    if oracle or full_batch:
-        twin = _float64_copy(model)  # before any pass: the same buffers as the model
+    def prepare(self, net: Any) -> None:
+        _set_mode(net, self.train_mode)
 
-    def record(part: dict[str, Any], phase: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """The N micro-steps with ``part``'s parameters recorded: native and (manual, E, S) on the host."""
-        result = accumulate(part, step_loss(model, uniform, cast, scale), steps,
-                            fault if fault is not None and fault.param in part else None, progress, phase,
-                            accum_dtype, mode, hold_steps=budget is None, backward_error=backward_error)
-        if scale is None and judged_on_device(next(iter(part.values())).device):
-            # Judged on the GPU: the tensors themselves, each with its reduction there.
-            native = {name: device_arrays(g, *result["buffers"][name]) for name, g in result["native"].items()}
-            buffers = {name: () for name in part}
-        else:
-            buffers = {name: tuple(to_numpy(t) for t in result["buffers"][name]) for name in part}
-            native = {name: to_numpy(g) for name, g in result["native"].items()}
-        saved.restore_values()
-        return native, buffers, result
+    def settle(self) -> None:
+        self.saved.restore_values()
 
-    def run_of(part: list[tuple[list[str], Any]], native: dict[str, Any], buffers: dict[str, Any],
-               result: dict[str, Any], oracle_grads: dict[str, Any] | None = None, gap: Any = None) -> RunResult:
-        if scale is not None:  # judged unscaled: the scale is a power of two, so dividing is exact
-            native = {name: g / np.asarray(scale, g.dtype) for name, g in native.items()}
-            buffers = {name: tuple(b / np.asarray(scale, b.dtype) for b in bufs) for name, bufs in buffers.items()}
-        own = mode == "native" and len(set(dtypes.values())) > 1
-        return RunResult(
-            params=[ParamAccumulation(names[0], kinds[names[0]], **_arrays(native[names[0]], buffers[names[0]]),
-                                      oracle=None if oracle_grads is None or not oracle else oracle_grads[names[0]],
-                                      dtype=dtypes[names[0]] if own else None, aliases=tuple(names[1:]),
-                                      steps_with_grad=result["steps_with_grad"].get(names[0]))
-                    for names, _ in part],
-            framework="torch", versions={"torch": torch.__version__}, device=str(where),
-            # the GradAccumulator sums in float32, whatever the parameters' dtype
-            param_dtype=param_dtype if mode == "native" else "float32",
-            accum_dtype=str(accum_dtype).replace("torch.", ""), losses={"mean_loss": result["loss"] / (scale or 1.0)},
-            notes=_notes(train_mode, cast, scale, dtypes, mode),
-            settings={"train_mode": train_mode, "autocast": None if cast is None else str(cast).replace("torch.", ""),
-                      "grad_scale": scale},
-            full_batch=gap, grad_scale=scale)
+    def float64_twin(self) -> tuple[Any, dict[str, Any]]:
+        twin = _float64_copy(self.model)
+        return twin, _same_parameters(twin, self.groups)
 
-    options = {"mode": mode if mode != "native" else None, "oracle": oracle or None, "inject": inject,
-               "autocast": None if cast is None else str(cast), "train_mode": train_mode or None,
-               "grad_scaler": "<your GradScaler>" if grad_scaler is not None else None,
-               "full_batch": full_batch or None, "loss_reduction": loss_reduction if full_batch else None,
-               "memory_budget": budget}
-    loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
+    def whole_batch(self) -> Any:
+        self.joined = [self.get_batch(k) for k in range(self.steps)]
+        return self.joined
 
-    def replay(names: list[str]) -> Iterator[dict[str, np.ndarray]]:
-        """The micro-gradients of ``names`` again, as the first pass computed them (the judge's
-        second pass), from the model as found; its tensors and values, gradients and flags are as
-        they were before it, after it, also when it stops midway."""
-        flags = [(m, m.training) for m in model.modules()]
-        grads = [(p, p.grad) for p in params.values()]
-        saved.restore_values()
+    def whole_loss(self, twin: Any, batches: Any) -> Any:
+        what = "the micro-batches joined into one batch"
+        whole = to_device(join(batches, self.collate), self.device, torch.float64, what)
+        return micro_loss(twin, whole, what, self.loss_fn, self.step)
+
+    def item_counts(self) -> list[int] | None:
+        counts = [item_count(b, self.loss_fn is not None) for b in self.joined or []]
+        return None if None in counts else counts
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        flags = [(m, m.training) for m in self.model.modules()]
+        grads = [(p, p.grad) for p in self.params.values()]
+        self.saved.restore_values()
         try:
-            with deterministic(where, warn_only=True), isolated(where):
-                _set_mode(model, train_mode)
-                loss_of = step_loss(model, uniform, cast, scale)
-                for index in range(steps):
-                    for p in params.values():
-                        p.grad = None
-                    loss = loss_of(index)
-                    try:
-                        loss.backward()
-                    except AccumcheckError:
-                        raise
-                    except USER_EXCEPTIONS as exc:
-                        raise backward_error(exc, index) from exc
-                    yield {name: _unscaled(params[name], scale) for name in names}
-                    if progress is not None:
-                        progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
+            yield
         finally:
-            saved.restore_values()
+            self.saved.restore_values()
             for module, flag in flags:
                 module.training = flag
             for p, grad in grads:
                 p.grad = grad
 
-    config = {"model": type(model).__name__, "loss": loss, **{k: v for k, v in options.items() if v is not None}}
-
-    judge = None
-    try:
-        with deterministic(where, warn_only=True), isolated(where):
-            _set_mode(model, train_mode)
-            if len(parts) == 1:
-                native, buffers, result = record(params, "native + manual")
-                oracle_grads, gap = None, None
-                if twin is not None:
-                    _set_mode(twin, train_mode)
-                    twin_params = _same_parameters(twin, groups)
-                    twin_loss = step_loss(twin, torch.float64)
-                    joined = [get_batch(k) for k in range(steps)] if full_batch else None
-                    gap, oracle_grads = full_batch_gap(twin, twin_params, twin_loss, joined, steps, loss_fn, step,
-                                                       collate, loss_reduction, progress)
-            else:  # judged group by group, each group's buffers dropped before the next runs
-                judge = Judge(steps, config, replay)
-                for index, names in enumerate(parts):
-                    part = set(names)
-                    with isolated(where):
-                        for p in params.values():
-                            p.grad = None
-                        record_part = record({name: params[name] for name in names},
-                                             f"native + manual, group {index + 1} of {len(parts)}")
-                        judge.add(run_of([g for g in groups if g[0][0] in part], *record_part))
-                        del record_part
-    finally:
-        saved.restore()
-    if judge is not None:
-        return judge.report(None, fault, oracle, time.perf_counter() - started)
-    return build_report(None, run_of(groups, native, buffers, result, oracle_grads, gap), steps, fault, oracle,
-                        time.perf_counter() - started, config=config, replay=replay)
-
-
-check.shape = SHAPE  # type: ignore[attr-defined]  # what the setup file and the plugin read (checkargs.shape_of)
-
-
-def _unscaled(param: Any, scale: float | None) -> np.ndarray:
-    """A parameter's micro-gradient on the host, divided by the loss scale (a power of two: exact)."""
-    grad = to_numpy(param.grad) if param.grad is not None else np.zeros(tuple(param.shape), np.float32)
-    return grad / np.asarray(scale, grad.dtype) if scale is not None else grad.copy()
+    def backward_error(self, exc: BaseException, index: int | str) -> Exception:
+        return backward_error(exc, index)
 
 
 def _autocast_dtype(autocast: Any) -> Any:
@@ -403,11 +396,3 @@ def _notes(train_mode: bool, cast: Any, scale: float | None, dtypes: dict[str, s
         notes.append("mixed parameter dtypes (" + ", ".join(f"{c} {d}" for d, c in counts.items())
                      + "), each judged by its own")
     return notes
-
-
-def _arrays(native: Any, buffers: tuple[Any, ...]) -> dict[str, Any]:
-    """ParamAccumulation's array fields: host arrays, or a device tensor's (``judging.device_arrays``)."""
-    if isinstance(native, dict):
-        return native
-    manual, exact, absum = buffers
-    return dict(native=native, manual=manual, exact=exact, absum=absum)
