@@ -38,10 +38,10 @@ from ..run.faults import Fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
+from .devices import check_device, device_name, devices_of
 from .library import versions
 from .multisteps import harmonic_note, mean_allowance, settings
 from .passes import accumulate, host_float
-from .run import device_name
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The shared options it honours; the others are refused when given. None as loss_reduction: "mean",
@@ -103,7 +103,7 @@ def check(params: Any, loss_fn: LossFn | None = None, batches: Batches | None = 
             raise AccumcheckError(f"check: {name} must be True or False, got {value!r}")
     tree = ParamTree(params)
     if device is not None:
-        tree.place(_jax_device(device))
+        tree.place(check_device(device))
     check_resources(estimate_model(sum(int(np.prod(leaf.shape)) for leaf in tree.leaves), oracle), "check",
                     force=force)
     with host_random_states(), tree.kept():
@@ -137,7 +137,7 @@ def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int 
                                   oracle=None if oracle_sums is None else oracle_sums[name],
                                   dtype=tree.dtypes[name] if mixed else None)
                 for name in tree.names],
-        framework="jax", versions=versions(), device=_device(flat), param_dtype=tree.param_dtype,
+        framework="jax", versions=versions(), device=devices_of(flat), param_dtype=tree.param_dtype,
         accum_dtype=tree.accum_dtype, native_kernel_allowance=mean_allowance(steps) if grad_mean else 0.0,
         losses=losses, settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
         notes=_notes(tree, steps, jit, grad_mean))
@@ -367,30 +367,6 @@ def _replay(micro: MicroSteps, wide: Callable[[], Any], steps: int, progress: Pr
         yield grads
         if progress is not None:
             progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
-
-
-def _jax_device(device: Any) -> Any:
-    """The jax device ``device`` names: a jax device, or "cpu", "gpu", "cuda", "gpu:N", "cuda:N"."""
-    if hasattr(device, "platform") and hasattr(device, "id"):
-        return device
-    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
-    if kind not in ("cpu", "gpu", "cuda") or (index and not index.isdigit()):
-        raise AccumcheckError(f"check: device {device!r} is not a device name (cpu, gpu, cuda, gpu:N, cuda:N) or a "
-                              "jax device")
-    platform = "cpu" if kind == "cpu" else "gpu"
-    try:
-        devices = jax.devices(platform)
-    except RuntimeError:
-        devices = []
-    if int(index or 0) >= len(devices):
-        raise AccumcheckError(f"check: device {device!r}: jax {jax.__version__} sees {len(devices)} {platform} "
-                              "device(s) here; pass one it sees, or leave device out")
-    return devices[int(index or 0)]
-
-
-def _device(flat: dict[str, Any]) -> str:
-    devices = {device_name(d) for array in flat.values() for d in array.devices()}
-    return ", ".join(sorted(devices))
 
 
 def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import jax
 import numpy as np
 from jax.experimental import enable_x64
 
@@ -20,37 +19,10 @@ from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.results import ParamAccumulation, RunResult
 from .casemodel import batch_arrays, case_params, grad_function
+from .devices import device_name, resolve_device
 from .multisteps import harmonic_note, mean_allowance
 from .multisteps import settings as multisteps_settings
 from .passes import accumulate, host_float
-
-
-def resolve_device(device: str) -> Any:
-    """The jax device for "cpu", "gpu", "cuda", "gpu:N" or "cuda:N"; AccumcheckError if absent."""
-    if device == "cpu":
-        return jax.devices("cpu")[0]
-    kind, _, index = device.partition(":")
-    if kind not in ("gpu", "cuda") or (index and not index.isdigit()):
-        raise AccumcheckError(f"--device: unknown device {device!r}; use cpu, gpu, cuda or cuda:N")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        raise AccumcheckError(f"--device {device}: jax {jax.__version__} sees no GPU (jax.devices('gpu') fails); "
-                              "use --device cpu or install a CUDA build of jaxlib") from None
-    if int(index or 0) >= len(gpus):
-        raise AccumcheckError(f"--device {device}: only {len(gpus)} GPU(s) present")
-    return gpus[int(index or 0)]
-
-
-def device_name(device: Any) -> str:
-    return "cpu" if device.platform == "cpu" else f"gpu:{device.id}"
-
-
-def has_gpu() -> bool:
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
 
 
 def _total_tokens(case: Case, accum_steps: int) -> float | None:
