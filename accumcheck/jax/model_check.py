@@ -17,7 +17,6 @@ x64 flag and Python's and NumPy's random states are left as found, also when the
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from functools import partial
@@ -28,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import enable_x64
 
-from ..case.definition import infer_kind
-from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
+from ..errors import AccumcheckError, NothingJudgedError
 from ..judge import build_report
 from ..report import Report
 from ..run.backend import Progress
@@ -38,12 +36,13 @@ from ..run.faults import Fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
 from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .devices import check_device, device_name, devices_of
+from .devices import check_device, devices_of
 from .library import versions
 from .multisteps import harmonic_note, mean_allowance, settings
+from .paramtree import ParamTree
 from .passes import accumulate, host_float
+from .usercode import LossFn, check_loss, guarded, oracle_guarded
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The shared options it honours; the others are refused when given. None as loss_reduction: "mean",
 # the scalar loss of each micro-batch that MultiSteps averages (it takes no other value here).
 SHAPE = CheckShape(
@@ -54,7 +53,6 @@ SHAPE = CheckShape(
              "loss_reduction": "it describes the loop for full_batch, which it does not run",
              "train_mode": "loss_fn(params, batch) is a pure function: it has no training mode",
              "memory_budget": "it runs every parameter at once"})
-LossFn = Callable[[Any, Batch], Any]
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 
 
@@ -156,106 +154,6 @@ def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int 
             "under jax.lax.stop_gradient, gives none)") from exc
 
 
-class ParamTree:
-    """The user's parameter pytree: each array leaf's name (from its path), dtype and kind, and
-    the tree's structure to rebuild it. Raises AccumcheckError for a tree that is not one of
-    float arrays."""
-
-    def __init__(self, params: Any) -> None:
-        try:
-            leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
-        except USER_EXCEPTIONS as exc:
-            raise UserCodeError(f"check: params could not be flattened as a pytree ({type(exc).__name__}: "
-                                  f"{first_line(exc)}); pass a pytree of arrays such as a dict") from exc
-        if not leaves:
-            raise AccumcheckError("check: params holds no arrays; pass the parameter pytree your loss_fn takes "
-                                  "(e.g. a dict of jax arrays)")
-        self.names = unique_names([path for path, _ in leaves])
-        self.leaves = [leaf for _, leaf in leaves]
-        self.dtypes = {name: _float_dtype(name, leaf) for name, leaf in zip(self.names, self.leaves)}
-        self.kinds = {name: infer_kind(name, len(leaf.shape)) for name, leaf in zip(self.names, self.leaves)}
-        counts = Counter(self.dtypes.values())
-        self.param_dtype = max(counts, key=counts.__getitem__)  # the most common; each judged by its own
-        # The manual buffer: float32, or float64 where any parameter is float64 (then in JAX's x64 mode).
-        self.accum_dtype = "float64" if "float64" in counts else "float32"
-        self.device: Any = None  # where ``arrays`` puts them (None: where they are, NumPy ones on the default)
-
-    def place(self, device: Any) -> None:
-        """Run on ``device``: params' jax arrays must be there already (as a model must be on the
-        device PyTorch's check names); NumPy arrays are put there."""
-        on = {device_name(d) for leaf in self.leaves if isinstance(leaf, jax.Array) for d in leaf.devices()}
-        elsewhere = sorted(on - {device_name(device)})
-        if elsewhere:
-            raise AccumcheckError(f"check: params' arrays are on {', '.join(elsewhere)}, not {device_name(device)}; "
-                                  f"pass device={elsewhere[0]!r}, or jax.device_put(params, device) first")
-        self.device = device
-
-    def wide(self) -> Any:
-        """JAX's x64 mode where a parameter is float64 (a context: switched back on leaving it)."""
-        return enable_x64() if self.accum_dtype == "float64" else contextlib.nullcontext()
-
-    def arrays(self, dtype: Any = None) -> dict[str, Any]:
-        """name -> the leaf as a jax array, in its own dtype or ``dtype`` (new arrays; the user's
-        stay as they are). A NumPy leaf is copied: on the CPU ``jnp.asarray`` would share its
-        memory, which the user's code could then change under the check."""
-        arrays = {name: jnp.array(leaf, dtype=dtype or leaf.dtype, copy=True) if isinstance(leaf, np.ndarray)
-                  else jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
-        return arrays if self.device is None else jax.device_put(arrays, self.device)
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Afterwards, also when the check raises: the values of params' NumPy arrays as they were
-        (jax arrays cannot change; the user's own code may edit NumPy ones it holds)."""
-        saved = [(leaf, leaf.copy()) for leaf in self.leaves if isinstance(leaf, np.ndarray)]
-        try:
-            yield
-        finally:
-            for leaf, value in saved:
-                if leaf.flags.writeable:
-                    leaf[...] = value
-
-    def tree(self, flat: dict[str, Any]) -> Any:
-        """The user's structure with the arrays of ``flat``."""
-        return self.treedef.unflatten([flat[name] for name in self.names])
-
-    def flat(self, grads: Any) -> dict[str, Any]:
-        """A gradient pytree (params' structure) as name -> array."""
-        return dict(zip(self.names, self.treedef.flatten_up_to(grads)))
-
-
-def key_text(key: Any) -> str:
-    """One step of a pytree path as a name part: a dict key, a list index, an attribute."""
-    for field in ("key", "idx", "name"):  # DictKey, FlattenedIndexKey / SequenceKey / GetAttrKey
-        if hasattr(key, field):
-            return str(getattr(key, field))
-    return str(key)
-
-
-def unique_names(paths: list[tuple[Any, ...]]) -> list[str]:
-    """Dotted names ("params.Dense_0.kernel", "layers.0.w"); where two would read the same, the
-    paths as ``jax.tree_util.keystr`` writes them."""
-    names = [".".join(key_text(key) for key in path) or "params" for path in paths]
-    counts = Counter(names)
-    names = [jax.tree_util.keystr(path) if counts[name] > 1 else name for name, path in zip(names, paths)]
-    seen: Counter[str] = Counter()
-    unique = []
-    for name in names:
-        seen[name] += 1
-        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-    return unique
-
-
-def _float_dtype(name: str, leaf: Any) -> str:
-    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or isinstance(leaf, np.generic):
-        raise AccumcheckError(f"check: params leaf {name!r} is a {type(leaf).__name__}, not an array; params must be "
-                              "a pytree of float arrays (jnp.asarray your values, keep other state out of params)")
-    dtype = np.dtype(leaf.dtype).name
-    if dtype not in FLOAT_DTYPES:
-        raise AccumcheckError(f"check: params leaf {name!r} is {dtype}; every array in params must be float32, "
-                              "bfloat16, float16 or float64 (keep non-trainable state out of params)")
-    return dtype
-
-
 class MicroSteps:
     """Micro-step ``k``'s (loss, name -> gradient) for ``accumulate``. loss_fn's output is checked
     on the first micro-step; an exception raised by loss_fn or the batches becomes one line."""
@@ -267,56 +165,17 @@ class MicroSteps:
         self.checked = False
 
     def __call__(self, index: int) -> tuple[Any, dict[str, Any]]:
-        batch = guarded(index, "batches", self.jit, self.get_batch, index)
+        batch = guarded(self.jit, index, "batches", self.get_batch, index)
         if not self.checked:
-            _check_loss(self.loss_fn, self.params, batch, index, self.jit)
+            check_loss(self.loss_fn, self.jit, self.params, batch, index)
             self.checked = True
-        loss, grads = guarded(index, "loss_fn", self.jit, self.grad_of, self.params, batch)
+        loss, grads = guarded(self.jit, index, "loss_fn", self.grad_of, self.params, batch)
         return loss, self.tree.flat(grads)
 
 
 def _grad_function(loss_fn: LossFn, jit: bool) -> Callable[..., Any]:
     step = jax.value_and_grad(loss_fn)
     return jax.jit(step) if jit else step
-
-
-def _check_loss(loss_fn: LossFn, params: Any, batch: Batch, index: int, jit: bool) -> None:
-    """loss_fn's output on micro-batch ``index`` (traced without running, or run where jit is
-    off: loss_fn may need concrete values then): a float scalar."""
-    out = guarded(index, "loss_fn", jit, jax.eval_shape if jit else _call, loss_fn, params, batch)
-    if isinstance(out, (tuple, list)):
-        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} of {len(out)} items on micro-batch "
-                              f"{index}; it must return the scalar loss alone (wrap it: lambda p, b: loss_fn(p, b)[0])")
-    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
-    if shape is None or dtype is None:
-        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} on micro-batch {index}, not an array; "
-                              "return the scalar loss")
-    if tuple(shape) != ():
-        raise AccumcheckError(f"check: loss_fn returned an array of shape {tuple(shape)} on micro-batch {index}, not "
-                              "a scalar; reduce it to the loss (e.g. .mean()) inside loss_fn")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise AccumcheckError(f"check: loss_fn returned a {np.dtype(dtype).name} scalar on micro-batch {index}; "
-                              "the loss must be a float to be differentiated")
-
-
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-def guarded(index: int, what: str, jit: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, its exception (not an AccumcheckError) turned into one line naming the
-    micro-batch."""
-    try:
-        return fn(*args)
-    except AccumcheckError:
-        raise
-    except USER_EXCEPTIONS as exc:
-        hint = "check that loss_fn(params, batch) takes your params and batches"
-        traced = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
-        if jit and (isinstance(exc, traced) or "is not a valid JAX type" in str(exc)):
-            hint += "; under jit loss_fn is traced: pass jit=False if it needs concrete values"
-        raise UserCodeError(f"check: {what} raised {type(exc).__name__} on micro-batch {index}: "
-                            f"{first_line(exc)}; {hint}") from exc
 
 
 def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int], Batch], steps: int, jit: bool,
@@ -329,19 +188,19 @@ def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int],
         sums = {name: np.zeros(leaf.shape) for name, leaf in zip(tree.names, tree.leaves)}
         loss_sum = 0.0
         for index in range(steps):
-            batch = _float64_batch(guarded(index, "batches", jit, get_batch, index))
-            try:
-                loss, grads = grad_of(params, batch)
-                loss_sum += float(loss)
-            except USER_EXCEPTIONS as exc:
-                raise UserCodeError(f"check: oracle=True runs loss_fn on a float64 copy of params (JAX's x64 mode) "
-                                    f"and it raised {type(exc).__name__} on micro-batch {index}: {first_line(exc)}; "
-                                    "let loss_fn follow its params' dtype, or run without oracle") from exc
+            batch = _float64_batch(guarded(jit, index, "batches", get_batch, index))
+            loss, grads = oracle_guarded(jit, index, "loss_fn", _host_loss, grad_of, params, batch)
+            loss_sum += loss
             for name, g in tree.flat(grads).items():
                 sums[name] += np.asarray(g, np.float64)
             if progress is not None:
                 progress("float64 oracle", index + 1, steps)
     return sums, loss_sum / steps
+
+
+def _host_loss(grad_of: Callable[..., Any], params: Any, batch: Batch) -> tuple[float, Any]:
+    loss, grads = grad_of(params, batch)
+    return float(loss), grads
 
 
 def _float64_batch(batch: Batch) -> Batch:
