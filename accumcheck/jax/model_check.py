@@ -20,12 +20,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import enable_x64
 
 from ..errors import AccumcheckError, NothingJudgedError
 from ..judge import build_report
@@ -34,13 +31,12 @@ from ..run.backend import Progress
 from ..run.checkargs import CheckShape
 from ..run.faults import Fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
-from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .devices import check_device, devices_of
+from .devices import check_device
+from .engine import Model, gradient, replay, run_model
 from .library import versions
-from .multisteps import harmonic_note, mean_allowance, settings
+from .multisteps import harmonic_note, settings
 from .paramtree import ParamTree
-from .passes import accumulate, host_float
 from .usercode import LossFn, check_loss, guarded, oracle_guarded
 
 # The shared options it honours; the others are refused when given. None as loss_reduction: "mean",
@@ -118,114 +114,28 @@ def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int 
     """check's run, its arguments known to be right."""
     get_batch, steps = batch_source(batches, accum_steps)
     fault = resolve_fault(fault, list(tree.kinds.items()), steps) if fault is not None else None
-    wide = tree.wide
-    with wide():
-        flat = tree.arrays()
-        grad_of = _grad_function(loss_fn, jit)
-        micro = MicroSteps(loss_fn, grad_of, tree, flat, get_batch, jit)
-        sums = accumulate(flat, micro, steps, tree.accum_dtype, jit, grad_mean, fault, progress)
-    losses = {"mean_loss": sums["loss"]}
-    oracle_sums = None
-    if oracle:
-        oracle_sums, losses["oracle_mean_loss"] = _float64_oracle(loss_fn, tree, get_batch, steps, jit, progress)
-    mixed = len(set(tree.dtypes.values())) > 1
-    run = RunResult(
-        params=[ParamAccumulation(name, tree.kinds[name], sums["native"][name], sums["manual"][name],
-                                  sums["exact"][name], sums["absum"][name],
-                                  oracle=None if oracle_sums is None else oracle_sums[name],
-                                  dtype=tree.dtypes[name] if mixed else None)
-                for name in tree.names],
-        framework="jax", versions=versions(), device=devices_of(flat), param_dtype=tree.param_dtype,
-        accum_dtype=tree.accum_dtype, native_kernel_allowance=mean_allowance(steps) if grad_mean else 0.0,
-        losses=losses, settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
-        notes=_notes(tree, steps, jit, grad_mean))
+    model = Model(tree, gradient(loss_fn, jit), get_batch, guard=partial(guarded, jit),
+                  check_first=partial(check_loss, loss_fn, jit))
+    # The float64 oracle's: the same loss_fn and batches, freshly compiled; loss_fn's exception says so.
+    oracle_model = None if not oracle else Model(tree, gradient(loss_fn, jit), get_batch,
+                                                 guard=partial(oracle_guarded, jit))
+    result, micro = run_model(model, steps, jit=jit, grad_mean=grad_mean, fault=fault, oracle=oracle_model,
+                              progress=progress, versions=versions(),
+                              settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
+                              notes=_notes(tree, steps, jit, grad_mean))
     options = {"oracle": oracle or None, "inject": inject, "jit": None if jit else False,
                "grad_mean": None if grad_mean else False}
     name = getattr(loss_fn, "__name__", None)
     config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn(params, batch)",
               **{k: v for k, v in options.items() if v is not None}}
     try:
-        return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
-                            replay=partial(_replay, micro, wide, steps, progress))
+        return build_report(None, result, steps, fault, oracle, time.perf_counter() - started, config=config,
+                            replay=partial(replay, micro, steps, progress))
     except NothingJudgedError as exc:
         raise NothingJudgedError(
             f"check: nothing was judged: loss_fn's gradient was zero for all {len(tree.names)} arrays of params in "
             f"the {steps} micro-batch{'es' * (steps != 1)}; make loss_fn depend on params (a constant, or a loss "
             "under jax.lax.stop_gradient, gives none)") from exc
-
-
-class MicroSteps:
-    """Micro-step ``k``'s (loss, name -> gradient) for ``accumulate``. loss_fn's output is checked
-    on the first micro-step; an exception raised by loss_fn or the batches becomes one line."""
-
-    def __init__(self, loss_fn: LossFn, grad_of: Callable[..., Any], tree: ParamTree, flat: dict[str, Any],
-                 get_batch: Callable[[int], Batch], jit: bool) -> None:
-        self.loss_fn, self.grad_of, self.tree, self.get_batch, self.jit = loss_fn, grad_of, tree, get_batch, jit
-        self.params = tree.tree(flat)
-        self.checked = False
-
-    def __call__(self, index: int) -> tuple[Any, dict[str, Any]]:
-        batch = guarded(self.jit, index, "batches", self.get_batch, index)
-        if not self.checked:
-            check_loss(self.loss_fn, self.jit, self.params, batch, index)
-            self.checked = True
-        loss, grads = guarded(self.jit, index, "loss_fn", self.grad_of, self.params, batch)
-        return loss, self.tree.flat(grads)
-
-
-def _grad_function(loss_fn: LossFn, jit: bool) -> Callable[..., Any]:
-    step = jax.value_and_grad(loss_fn)
-    return jax.jit(step) if jit else step
-
-
-def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int], Batch], steps: int, jit: bool,
-                    progress: Progress | None) -> tuple[dict[str, np.ndarray], float]:
-    """The micro-gradients of a float64 copy of params (float inputs of the batches in float64
-    too) summed in float64, and the mean loss; JAX's x64 mode for this pass only."""
-    with enable_x64():
-        params = tree.tree(tree.arrays(jnp.float64))
-        grad_of = _grad_function(loss_fn, jit)
-        sums = {name: np.zeros(leaf.shape) for name, leaf in zip(tree.names, tree.leaves)}
-        loss_sum = 0.0
-        for index in range(steps):
-            batch = _float64_batch(guarded(jit, index, "batches", get_batch, index))
-            loss, grads = oracle_guarded(jit, index, "loss_fn", _host_loss, grad_of, params, batch)
-            loss_sum += loss
-            for name, g in tree.flat(grads).items():
-                sums[name] += np.asarray(g, np.float64)
-            if progress is not None:
-                progress("float64 oracle", index + 1, steps)
-    return sums, loss_sum / steps
-
-
-def _host_loss(grad_of: Callable[..., Any], params: Any, batch: Batch) -> tuple[float, Any]:
-    loss, grads = grad_of(params, batch)
-    return float(loss), grads
-
-
-def _float64_batch(batch: Batch) -> Batch:
-    """The batch with its float arrays in float64 (new arrays), everything else as it is."""
-    def wide(leaf: Any) -> Any:
-        dtype = getattr(leaf, "dtype", None)
-        if hasattr(leaf, "shape") and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            return jnp.asarray(leaf, jnp.float64)
-        return leaf
-
-    return jax.tree_util.tree_map(wide, batch)
-
-
-def _replay(micro: MicroSteps, wide: Callable[[], Any], steps: int, progress: Progress | None,
-            names: list[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The micro-gradients of ``names`` again (the judge's second pass): the same compiled
-    gradient of the same arrays and batches, so bit for bit those the run fed both modes. The x64
-    mode, where used, is switched on around each micro-step only, never across a ``yield``."""
-    for index in range(steps):
-        with wide():
-            _, grads = micro(index)
-            grads = {name: host_float(grads[name]).copy() for name in names}
-        yield grads
-        if progress is not None:
-            progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
 
 
 def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]:
