@@ -39,7 +39,7 @@ class JaxBackend(Backend):
                  "memory_budget": "the JAX backend runs every tensor in one group"})
 
     def has_device(self, kind: str) -> bool:
-        from .run import has_gpu
+        from .devices import has_gpu
 
         return kind == "cpu" or has_gpu()
 

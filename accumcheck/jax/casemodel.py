@@ -1,13 +1,15 @@
-"""The case as a pure JAX function of a parameter pytree: the layer primitives, the loss, the
-micro-step's gradient.
+"""A built-in case as the engine runs it: its weights as the parameters, a pure JAX loss function
+of them (the layer primitives, the loss) and its micro-batches.
 
 The parameters are a flat dict from canonical names (``block0.attn.q.weight``) to arrays, the
 pytree ``jax.grad`` differentiates. Conditional layers route by the micro-batch's index, a Python
-bool per branch: each route is its own traced function (jit compiles it once).
+bool per branch held static in the batch: each route is its own traced function (jit compiles it
+once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -17,8 +19,8 @@ import numpy as np
 
 from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
 from ..case.layers import run_layers
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+from .engine import GradFn, gradient
+from .library import DTYPES
 
 
 class JaxOps:
@@ -82,49 +84,93 @@ def case_loss(case: Case, logits: Any, labels: Any, total_tokens: float | None =
     return total / jnp.sum(keep).astype(total.dtype)
 
 
-def case_params(case: Case, weights: dict[str, np.ndarray], dtype: str, device: Any) -> dict[str, Any]:
-    """The case's weights as the parameter pytree, in ``dtype`` on ``device``."""
-    return {name: jax.device_put(jnp.asarray(value, dtype=DTYPES[dtype]), device) for name, value in weights.items()}
+@jax.tree_util.register_pytree_node_class
+class CaseBatch:
+    """One micro-batch as the case's loss takes it: inputs, labels and the token total (arrays, or
+    a Python float or None); the route through the conditional layers (``gates``) is the pytree's
+    static part, so that jit compiles each route once."""
+
+    def __init__(self, inputs: Any, labels: Any, total: float | None, gates: tuple[bool, ...]) -> None:
+        self.inputs, self.labels, self.total, self.gates = inputs, labels, total, gates
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+        return (self.inputs, self.labels, self.total), self.gates
+
+    @classmethod
+    def tree_unflatten(cls, gates: tuple[bool, ...], children: tuple[Any, ...]) -> CaseBatch:
+        return cls(*children, gates)
 
 
-def batch_arrays(case: Case, step: int, dtype: str, device: Any) -> tuple[Any, Any, tuple[bool, ...]]:
-    """Micro-step ``step``'s inputs (token ids as int32, features in ``dtype``), labels and route."""
-    batch = case.batch(step)
-    inputs = batch.inputs
-    inputs = inputs.astype(np.int32) if inputs.dtype.kind in "iu" else inputs.astype(DTYPES[dtype])
-    return (jax.device_put(inputs, device), jax.device_put(batch.labels.astype(np.int32), device),
-            tuple(case.gates(batch.index)))
+def case_batches(case: Case, accum_steps: int, dtype: str, device: Any) -> Callable[[int], CaseBatch]:
+    """Micro-batch ``k`` of the case's ``accum_steps``: token ids as int32, features in ``dtype``,
+    on ``device``."""
+    total = float(case.token_count(accum_steps)) if case.loss_reduction == "token_count" else None
+
+    def batch(step: int) -> CaseBatch:
+        micro = case.batch(step)
+        inputs = micro.inputs
+        inputs = inputs.astype(np.int32) if inputs.dtype.kind in "iu" else inputs.astype(DTYPES[dtype])
+        return CaseBatch(jax.device_put(inputs, device), jax.device_put(micro.labels.astype(np.int32), device),
+                         total, tuple(case.gates(micro.index)))
+
+    return batch
+
+
+class CaseParams:
+    """The case's weights as the engine's parameter set: a flat dict by canonical name (in the
+    case's order), run in ``dtype`` on ``device``."""
+
+    def __init__(self, case: Case, weights: dict[str, np.ndarray], dtype: str, accum_dtype: str,
+                 device: Any) -> None:
+        self.weights, self.device = weights, device
+        self.names = list(weights)
+        self.kinds = {p.name: p.kind for p in case.parameters()}
+        self.dtypes = dict.fromkeys(self.names, dtype)
+        self.param_dtype, self.accum_dtype = dtype, accum_dtype
+
+    def arrays(self, dtype: Any = None) -> dict[str, Any]:
+        dtype = DTYPES[self.param_dtype] if dtype is None else dtype
+        return {name: jax.device_put(jnp.asarray(value, dtype=dtype), self.device)
+                for name, value in self.weights.items()}
+
+    def tree(self, flat: dict[str, Any]) -> dict[str, Any]:
+        return flat
+
+    def flat(self, grads: dict[str, Any]) -> dict[str, Any]:
+        return grads
+
+    def wide(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
 
 # The last few cases' gradient functions, by the case object itself: a run and its judge's second
 # pass (the same RunConfig) share one compiled function instead of compiling it twice.
-_COMPILED: dict[tuple[int, bool, str | None], tuple[Case, Callable[..., Any]]] = {}
+_COMPILED: dict[tuple[int, bool, str | None], tuple[Case, GradFn]] = {}
 _KEPT = 4
 
 
-def grad_function(case: Case, jit: bool, compute_dtype: str | None = None) -> Callable[..., Any]:
-    """``f(params, inputs, labels, total, gates) -> ((loss, logits), grads)``, jit-compiled once
-    per route (``gates``) unless ``jit`` is False. ``compute_dtype``: the forward casts the
+def grad_function(case: Case, jit: bool, compute_dtype: str | None = None) -> GradFn:
+    """The engine's gradient of the case's loss, ``f(params, batch) -> ((loss, logits), grads)``,
+    jit-compiled once per route unless ``jit`` is False. ``compute_dtype``: the forward casts the
     parameters to it (float32 master weights for a bfloat16 model; their gradients come back in
     the parameters' dtype, exactly)."""
     key = (id(case), jit, compute_dtype)
     if key in _COMPILED and _COMPILED[key][0] is case:
         return _COMPILED[key][1]
-    step = _grad_function(case, jit, compute_dtype)
+    step = gradient(_loss_function(case, compute_dtype), jit, aux=True)
     _COMPILED[key] = (case, step)
     while len(_COMPILED) > _KEPT:
         del _COMPILED[next(iter(_COMPILED))]
     return step
 
 
-def _grad_function(case: Case, jit: bool, compute_dtype: str | None) -> Callable[..., Any]:
+def _loss_function(case: Case, compute_dtype: str | None) -> Callable[[dict[str, Any], CaseBatch], Any]:
     shapes = {p.name: p.shape for p in case.parameters()}
 
-    def loss(params: dict[str, Any], inputs: Any, labels: Any, total: Any, gates: tuple[bool, ...]) -> Any:
+    def loss(params: dict[str, Any], batch: CaseBatch) -> Any:
         if compute_dtype is not None:
             params = {name: p.astype(DTYPES[compute_dtype]) for name, p in params.items()}
-        logits = run_layers(case, inputs, params, JaxOps(gates), shapes)
-        return case_loss(case, logits, labels, total), logits
+        logits = run_layers(case, batch.inputs, params, JaxOps(batch.gates), shapes)
+        return case_loss(case, logits, batch.labels, batch.total), logits
 
-    step = jax.value_and_grad(loss, has_aux=True)
-    return jax.jit(step, static_argnums=4) if jit else step
+    return loss

@@ -1,4 +1,5 @@
-"""optax, imported once for the package (``from .library import optax``), and the versions a report records."""
+"""optax, imported once for the package (``from .library import optax``), JAX's dtypes by name, and
+the versions a report records."""
 
 import warnings
 
@@ -8,6 +9,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import optax
 
+import jax.numpy as jnp  # noqa: E402  (imported by optax already, inside the filter above)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
 
 def versions() -> dict[str, str]:
@@ -18,4 +22,4 @@ def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__}
 
 
-__all__ = ["optax", "versions"]
+__all__ = ["DTYPES", "optax", "versions"]

@@ -17,33 +17,28 @@ x64 flag and Python's and NumPy's random states are left as found, also when the
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import enable_x64
 
-from ..case.definition import infer_kind
-from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
+from ..errors import AccumcheckError, NothingJudgedError
 from ..judge import build_report
 from ..report import Report
 from ..run.backend import Progress
 from ..run.checkargs import CheckShape
 from ..run.faults import Fault, resolve_fault
 from ..run.resources import check_resources, estimate_model
-from ..run.results import ParamAccumulation, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
+from .devices import check_device
+from .engine import Model, gradient, replay, run_model
 from .library import versions
-from .multisteps import harmonic_note, mean_allowance, settings
-from .passes import accumulate, host_float
-from .run import device_name
+from .multisteps import harmonic_note, settings
+from .paramtree import ParamTree
+from .usercode import LossFn, check_loss, guarded, oracle_guarded
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The shared options it honours; the others are refused when given. None as loss_reduction: "mean",
 # the scalar loss of each micro-batch that MultiSteps averages (it takes no other value here).
 SHAPE = CheckShape(
@@ -54,7 +49,6 @@ SHAPE = CheckShape(
              "loss_reduction": "it describes the loop for full_batch, which it does not run",
              "train_mode": "loss_fn(params, batch) is a pure function: it has no training mode",
              "memory_budget": "it runs every parameter at once"})
-LossFn = Callable[[Any, Batch], Any]
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 
 
@@ -103,7 +97,7 @@ def check(params: Any, loss_fn: LossFn | None = None, batches: Batches | None = 
             raise AccumcheckError(f"check: {name} must be True or False, got {value!r}")
     tree = ParamTree(params)
     if device is not None:
-        tree.place(_jax_device(device))
+        tree.place(check_device(device))
     check_resources(estimate_model(sum(int(np.prod(leaf.shape)) for leaf in tree.leaves), oracle), "check",
                     force=force)
     with host_random_states(), tree.kept():
@@ -120,277 +114,28 @@ def _check(loss_fn: LossFn, tree: ParamTree, batches: Batches, accum_steps: int 
     """check's run, its arguments known to be right."""
     get_batch, steps = batch_source(batches, accum_steps)
     fault = resolve_fault(fault, list(tree.kinds.items()), steps) if fault is not None else None
-    wide = tree.wide
-    with wide():
-        flat = tree.arrays()
-        grad_of = _grad_function(loss_fn, jit)
-        micro = MicroSteps(loss_fn, grad_of, tree, flat, get_batch, jit)
-        sums = accumulate(flat, micro, steps, tree.accum_dtype, jit, grad_mean, fault, progress)
-    losses = {"mean_loss": sums["loss"]}
-    oracle_sums = None
-    if oracle:
-        oracle_sums, losses["oracle_mean_loss"] = _float64_oracle(loss_fn, tree, get_batch, steps, jit, progress)
-    mixed = len(set(tree.dtypes.values())) > 1
-    run = RunResult(
-        params=[ParamAccumulation(name, tree.kinds[name], sums["native"][name], sums["manual"][name],
-                                  sums["exact"][name], sums["absum"][name],
-                                  oracle=None if oracle_sums is None else oracle_sums[name],
-                                  dtype=tree.dtypes[name] if mixed else None)
-                for name in tree.names],
-        framework="jax", versions=versions(), device=_device(flat), param_dtype=tree.param_dtype,
-        accum_dtype=tree.accum_dtype, native_kernel_allowance=mean_allowance(steps) if grad_mean else 0.0,
-        losses=losses, settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
-        notes=_notes(tree, steps, jit, grad_mean))
+    model = Model(tree, gradient(loss_fn, jit), get_batch, guard=partial(guarded, jit),
+                  check_first=partial(check_loss, loss_fn, jit))
+    # The float64 oracle's: the same loss_fn and batches, freshly compiled; loss_fn's exception says so.
+    oracle_model = None if not oracle else Model(tree, gradient(loss_fn, jit), get_batch,
+                                                 guard=partial(oracle_guarded, jit))
+    result, micro = run_model(model, steps, jit=jit, grad_mean=grad_mean, fault=fault, oracle=oracle_model,
+                              progress=progress, versions=versions(),
+                              settings=settings(steps, jit, grad_mean, tree.accum_dtype, " initialised on your params"),
+                              notes=_notes(tree, steps, jit, grad_mean))
     options = {"oracle": oracle or None, "inject": inject, "jit": None if jit else False,
                "grad_mean": None if grad_mean else False}
     name = getattr(loss_fn, "__name__", None)
     config = {"model": name if name and name != "<lambda>" else "loss_fn", "loss": "loss_fn(params, batch)",
               **{k: v for k, v in options.items() if v is not None}}
     try:
-        return build_report(None, run, steps, fault, oracle, time.perf_counter() - started, config=config,
-                            replay=partial(_replay, micro, wide, steps, progress))
+        return build_report(None, result, steps, fault, oracle, time.perf_counter() - started, config=config,
+                            replay=partial(replay, micro, steps, progress))
     except NothingJudgedError as exc:
         raise NothingJudgedError(
             f"check: nothing was judged: loss_fn's gradient was zero for all {len(tree.names)} arrays of params in "
             f"the {steps} micro-batch{'es' * (steps != 1)}; make loss_fn depend on params (a constant, or a loss "
             "under jax.lax.stop_gradient, gives none)") from exc
-
-
-class ParamTree:
-    """The user's parameter pytree: each array leaf's name (from its path), dtype and kind, and
-    the tree's structure to rebuild it. Raises AccumcheckError for a tree that is not one of
-    float arrays."""
-
-    def __init__(self, params: Any) -> None:
-        try:
-            leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
-        except USER_EXCEPTIONS as exc:
-            raise UserCodeError(f"check: params could not be flattened as a pytree ({type(exc).__name__}: "
-                                  f"{first_line(exc)}); pass a pytree of arrays such as a dict") from exc
-        if not leaves:
-            raise AccumcheckError("check: params holds no arrays; pass the parameter pytree your loss_fn takes "
-                                  "(e.g. a dict of jax arrays)")
-        self.names = unique_names([path for path, _ in leaves])
-        self.leaves = [leaf for _, leaf in leaves]
-        self.dtypes = {name: _float_dtype(name, leaf) for name, leaf in zip(self.names, self.leaves)}
-        self.kinds = {name: infer_kind(name, len(leaf.shape)) for name, leaf in zip(self.names, self.leaves)}
-        counts = Counter(self.dtypes.values())
-        self.param_dtype = max(counts, key=counts.__getitem__)  # the most common; each judged by its own
-        # The manual buffer: float32, or float64 where any parameter is float64 (then in JAX's x64 mode).
-        self.accum_dtype = "float64" if "float64" in counts else "float32"
-        self.device: Any = None  # where ``arrays`` puts them (None: where they are, NumPy ones on the default)
-
-    def place(self, device: Any) -> None:
-        """Run on ``device``: params' jax arrays must be there already (as a model must be on the
-        device PyTorch's check names); NumPy arrays are put there."""
-        on = {device_name(d) for leaf in self.leaves if isinstance(leaf, jax.Array) for d in leaf.devices()}
-        elsewhere = sorted(on - {device_name(device)})
-        if elsewhere:
-            raise AccumcheckError(f"check: params' arrays are on {', '.join(elsewhere)}, not {device_name(device)}; "
-                                  f"pass device={elsewhere[0]!r}, or jax.device_put(params, device) first")
-        self.device = device
-
-    def wide(self) -> Any:
-        """JAX's x64 mode where a parameter is float64 (a context: switched back on leaving it)."""
-        return enable_x64() if self.accum_dtype == "float64" else contextlib.nullcontext()
-
-    def arrays(self, dtype: Any = None) -> dict[str, Any]:
-        """name -> the leaf as a jax array, in its own dtype or ``dtype`` (new arrays; the user's
-        stay as they are). A NumPy leaf is copied: on the CPU ``jnp.asarray`` would share its
-        memory, which the user's code could then change under the check."""
-        arrays = {name: jnp.array(leaf, dtype=dtype or leaf.dtype, copy=True) if isinstance(leaf, np.ndarray)
-                  else jnp.asarray(leaf, dtype=dtype or leaf.dtype) for name, leaf in zip(self.names, self.leaves)}
-        return arrays if self.device is None else jax.device_put(arrays, self.device)
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Afterwards, also when the check raises: the values of params' NumPy arrays as they were
-        (jax arrays cannot change; the user's own code may edit NumPy ones it holds)."""
-        saved = [(leaf, leaf.copy()) for leaf in self.leaves if isinstance(leaf, np.ndarray)]
-        try:
-            yield
-        finally:
-            for leaf, value in saved:
-                if leaf.flags.writeable:
-                    leaf[...] = value
-
-    def tree(self, flat: dict[str, Any]) -> Any:
-        """The user's structure with the arrays of ``flat``."""
-        return self.treedef.unflatten([flat[name] for name in self.names])
-
-    def flat(self, grads: Any) -> dict[str, Any]:
-        """A gradient pytree (params' structure) as name -> array."""
-        return dict(zip(self.names, self.treedef.flatten_up_to(grads)))
-
-
-def key_text(key: Any) -> str:
-    """One step of a pytree path as a name part: a dict key, a list index, an attribute."""
-    for field in ("key", "idx", "name"):  # DictKey, FlattenedIndexKey / SequenceKey / GetAttrKey
-        if hasattr(key, field):
-            return str(getattr(key, field))
-    return str(key)
-
-
-def unique_names(paths: list[tuple[Any, ...]]) -> list[str]:
-    """Dotted names ("params.Dense_0.kernel", "layers.0.w"); where two would read the same, the
-    paths as ``jax.tree_util.keystr`` writes them."""
-    names = [".".join(key_text(key) for key in path) or "params" for path in paths]
-    counts = Counter(names)
-    names = [jax.tree_util.keystr(path) if counts[name] > 1 else name for name, path in zip(names, paths)]
-    seen: Counter[str] = Counter()
-    unique = []
-    for name in names:
-        seen[name] += 1
-        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-    return unique
-
-
-def _float_dtype(name: str, leaf: Any) -> str:
-    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or isinstance(leaf, np.generic):
-        raise AccumcheckError(f"check: params leaf {name!r} is a {type(leaf).__name__}, not an array; params must be "
-                              "a pytree of float arrays (jnp.asarray your values, keep other state out of params)")
-    dtype = np.dtype(leaf.dtype).name
-    if dtype not in FLOAT_DTYPES:
-        raise AccumcheckError(f"check: params leaf {name!r} is {dtype}; every array in params must be float32, "
-                              "bfloat16, float16 or float64 (keep non-trainable state out of params)")
-    return dtype
-
-
-class MicroSteps:
-    """Micro-step ``k``'s (loss, name -> gradient) for ``accumulate``. loss_fn's output is checked
-    on the first micro-step; an exception raised by loss_fn or the batches becomes one line."""
-
-    def __init__(self, loss_fn: LossFn, grad_of: Callable[..., Any], tree: ParamTree, flat: dict[str, Any],
-                 get_batch: Callable[[int], Batch], jit: bool) -> None:
-        self.loss_fn, self.grad_of, self.tree, self.get_batch, self.jit = loss_fn, grad_of, tree, get_batch, jit
-        self.params = tree.tree(flat)
-        self.checked = False
-
-    def __call__(self, index: int) -> tuple[Any, dict[str, Any]]:
-        batch = guarded(index, "batches", self.jit, self.get_batch, index)
-        if not self.checked:
-            _check_loss(self.loss_fn, self.params, batch, index, self.jit)
-            self.checked = True
-        loss, grads = guarded(index, "loss_fn", self.jit, self.grad_of, self.params, batch)
-        return loss, self.tree.flat(grads)
-
-
-def _grad_function(loss_fn: LossFn, jit: bool) -> Callable[..., Any]:
-    step = jax.value_and_grad(loss_fn)
-    return jax.jit(step) if jit else step
-
-
-def _check_loss(loss_fn: LossFn, params: Any, batch: Batch, index: int, jit: bool) -> None:
-    """loss_fn's output on micro-batch ``index`` (traced without running, or run where jit is
-    off: loss_fn may need concrete values then): a float scalar."""
-    out = guarded(index, "loss_fn", jit, jax.eval_shape if jit else _call, loss_fn, params, batch)
-    if isinstance(out, (tuple, list)):
-        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} of {len(out)} items on micro-batch "
-                              f"{index}; it must return the scalar loss alone (wrap it: lambda p, b: loss_fn(p, b)[0])")
-    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
-    if shape is None or dtype is None:
-        raise AccumcheckError(f"check: loss_fn returned a {type(out).__name__} on micro-batch {index}, not an array; "
-                              "return the scalar loss")
-    if tuple(shape) != ():
-        raise AccumcheckError(f"check: loss_fn returned an array of shape {tuple(shape)} on micro-batch {index}, not "
-                              "a scalar; reduce it to the loss (e.g. .mean()) inside loss_fn")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise AccumcheckError(f"check: loss_fn returned a {np.dtype(dtype).name} scalar on micro-batch {index}; "
-                              "the loss must be a float to be differentiated")
-
-
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-def guarded(index: int, what: str, jit: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, its exception (not an AccumcheckError) turned into one line naming the
-    micro-batch."""
-    try:
-        return fn(*args)
-    except AccumcheckError:
-        raise
-    except USER_EXCEPTIONS as exc:
-        hint = "check that loss_fn(params, batch) takes your params and batches"
-        traced = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
-        if jit and (isinstance(exc, traced) or "is not a valid JAX type" in str(exc)):
-            hint += "; under jit loss_fn is traced: pass jit=False if it needs concrete values"
-        raise UserCodeError(f"check: {what} raised {type(exc).__name__} on micro-batch {index}: "
-                            f"{first_line(exc)}; {hint}") from exc
-
-
-def _float64_oracle(loss_fn: LossFn, tree: ParamTree, get_batch: Callable[[int], Batch], steps: int, jit: bool,
-                    progress: Progress | None) -> tuple[dict[str, np.ndarray], float]:
-    """The micro-gradients of a float64 copy of params (float inputs of the batches in float64
-    too) summed in float64, and the mean loss; JAX's x64 mode for this pass only."""
-    with enable_x64():
-        params = tree.tree(tree.arrays(jnp.float64))
-        grad_of = _grad_function(loss_fn, jit)
-        sums = {name: np.zeros(leaf.shape) for name, leaf in zip(tree.names, tree.leaves)}
-        loss_sum = 0.0
-        for index in range(steps):
-            batch = _float64_batch(guarded(index, "batches", jit, get_batch, index))
-            try:
-                loss, grads = grad_of(params, batch)
-                loss_sum += float(loss)
-            except USER_EXCEPTIONS as exc:
-                raise UserCodeError(f"check: oracle=True runs loss_fn on a float64 copy of params (JAX's x64 mode) "
-                                    f"and it raised {type(exc).__name__} on micro-batch {index}: {first_line(exc)}; "
-                                    "let loss_fn follow its params' dtype, or run without oracle") from exc
-            for name, g in tree.flat(grads).items():
-                sums[name] += np.asarray(g, np.float64)
-            if progress is not None:
-                progress("float64 oracle", index + 1, steps)
-    return sums, loss_sum / steps
-
-
-def _float64_batch(batch: Batch) -> Batch:
-    """The batch with its float arrays in float64 (new arrays), everything else as it is."""
-    def wide(leaf: Any) -> Any:
-        dtype = getattr(leaf, "dtype", None)
-        if hasattr(leaf, "shape") and dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            return jnp.asarray(leaf, jnp.float64)
-        return leaf
-
-    return jax.tree_util.tree_map(wide, batch)
-
-
-def _replay(micro: MicroSteps, wide: Callable[[], Any], steps: int, progress: Progress | None,
-            names: list[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The micro-gradients of ``names`` again (the judge's second pass): the same compiled
-    gradient of the same arrays and batches, so bit for bit those the run fed both modes. The x64
-    mode, where used, is switched on around each micro-step only, never across a ``yield``."""
-    for index in range(steps):
-        with wide():
-            _, grads = micro(index)
-            grads = {name: host_float(grads[name]).copy() for name in names}
-        yield grads
-        if progress is not None:
-            progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
-
-
-def _jax_device(device: Any) -> Any:
-    """The jax device ``device`` names: a jax device, or "cpu", "gpu", "cuda", "gpu:N", "cuda:N"."""
-    if hasattr(device, "platform") and hasattr(device, "id"):
-        return device
-    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
-    if kind not in ("cpu", "gpu", "cuda") or (index and not index.isdigit()):
-        raise AccumcheckError(f"check: device {device!r} is not a device name (cpu, gpu, cuda, gpu:N, cuda:N) or a "
-                              "jax device")
-    platform = "cpu" if kind == "cpu" else "gpu"
-    try:
-        devices = jax.devices(platform)
-    except RuntimeError:
-        devices = []
-    if int(index or 0) >= len(devices):
-        raise AccumcheckError(f"check: device {device!r}: jax {jax.__version__} sees {len(devices)} {platform} "
-                              "device(s) here; pass one it sees, or leave device out")
-    return devices[int(index or 0)]
-
-
-def _device(flat: dict[str, Any]) -> str:
-    devices = {device_name(d) for array in flat.values() for d in array.devices()}
-    return ", ".join(sorted(devices))
 
 
 def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]:

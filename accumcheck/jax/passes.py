@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import enable_x64
 
 from ..run.backend import Progress
-from .casemodel import DTYPES
+from .library import DTYPES
 from .multisteps import MultiStepsNative
 
 # micro_step(k) -> (loss, grads): micro-step k's loss and its gradient, a dict of name -> array

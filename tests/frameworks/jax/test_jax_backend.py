@@ -135,7 +135,7 @@ def test_refusals_are_one_line(cli):
 
 
 def test_a_gpu_is_refused_cleanly_where_jax_sees_none():
-    from accumcheck.jax.run import has_gpu
+    from accumcheck.jax.devices import has_gpu
 
     if has_gpu():
         pytest.skip("jax sees a GPU here")
@@ -145,7 +145,7 @@ def test_a_gpu_is_refused_cleanly_where_jax_sees_none():
 
 @pytest.mark.gpu
 def test_on_the_gpu():
-    from accumcheck.jax.run import has_gpu
+    from accumcheck.jax.devices import has_gpu
 
     if not has_gpu():
         pytest.skip("jax sees no GPU")

@@ -278,7 +278,7 @@ def test_python_branches_run_with_jit_off_and_batches_may_be_a_function():
 def test_names_are_readable_and_unique():
     from collections import namedtuple
 
-    from accumcheck.jax.model_check import ParamTree
+    from accumcheck.jax.paramtree import ParamTree
 
     Pair = namedtuple("Pair", "w b")
     tree = ParamTree({"a.b": jnp.ones(2), "a": {"b": jnp.ones(2)}, "t": (Pair(jnp.ones((2, 2)), jnp.ones(2)),)})
