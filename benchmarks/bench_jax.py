@@ -32,17 +32,17 @@ def plain_loop(steps: int) -> None:
     import optax
 
     from accumcheck.case.reading import resolve_case
-    from accumcheck.jax.casemodel import batch_arrays, case_params, grad_function
+    from accumcheck.jax.casemodel import CaseParams, case_batches, grad_function
 
     case = resolve_case(CASE)
     device = jax.devices("cpu")[0]
-    params = case_params(case, case.weights(), "float32", device)
+    params = CaseParams(case, case.weights(), "float32", "float32", device).arrays()
+    batches = case_batches(case, steps, "float32", device)
     grad_of = grad_function(case, jit=True)
     optimizer = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=steps)
     state, update = optimizer.init(params), jax.jit(optimizer.update)
     for step in range(steps):
-        inputs, labels, gates = batch_arrays(case, step, "float32", device)
-        _, grads = grad_of(params, inputs, labels, None, gates)
+        _, grads = grad_of(params, batches(step))
         updates, state = update(grads, state, params)
     jax.block_until_ready(updates)
 

@@ -35,8 +35,9 @@ import torch
 import accumcheck
 from accumcheck.bounds import ModeBound
 from accumcheck.case.reading import builtin_case, builtin_case_names
-from accumcheck.torch.casemodel import build_model, deterministic, to_numpy
-from accumcheck.torch.passes import case_sums
+from accumcheck.torch.builtin import CaseSubject
+from accumcheck.torch.casemodel import deterministic, to_numpy
+from accumcheck.torch.passes import accumulate
 
 DEV = torch.device("cuda")
 WHERE = "gpu"  # accumcheck's --device; --device cpu runs the same checks on the CPU (a dry run)
@@ -75,8 +76,9 @@ def _twice(case, deterministic_on: bool) -> tuple[dict, dict]:
     runs = []
     for _ in range(2):
         with deterministic(DEV) if deterministic_on else _default_kernels():
-            runs.append(case_sums(case, build_model(case, case.weights(), torch.float32, DEV), case.accum_steps,
-                                  DEV, None, None, "determinism"))
+            subject = CaseSubject(case, case.weights(), torch.float32, DEV, case.accum_steps)
+            runs.append(accumulate(subject.params, subject.step_loss(subject.model), case.accum_steps, None, None,
+                                   "determinism", hold_refs=True))
     return runs[0], runs[1]
 
 
