@@ -1,13 +1,15 @@
-"""One micro-step of a user's block: a batch through the block and the loss, as ``(loss, output)``,
-for the passes to record and differentiate; what the user's code raises becomes a one-line
-UserCodeError naming the micro-batch."""
+"""One micro-step: a batch through the block and the loss, as ``(loss, output)``, for the passes to
+record and differentiate. A user's micro-step turns what their code raises into a one-line
+UserCodeError naming the micro-batch; a built-in case's raises what MXNet raises (a missing float64
+kernel, for one, which the oracle and the full batch fall back from)."""
 
 from __future__ import annotations
 
 import inspect
 import re
 from collections.abc import Mapping
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -27,32 +29,34 @@ NOT_RECORDED = "not in a computational graph"
 
 class MicroStep:
     """Micro-step ``index`` on ``ctx``: (loss, output), from batch ``get_batch(index)`` through
-    ``block`` and ``loss_fn``, or through ``step(block, batch)``. An exception raised by the
-    user's code becomes a one-line UserCodeError naming the micro-batch. With ``probe`` set (the
-    parameters, their gradients zeroed), the next call also makes sure that the user's code did
-    not call backward() itself."""
+    ``block`` and ``loss_fn``, or through ``step(block, batch)``. Where the code is the user's
+    (``user``), an exception it raises becomes a one-line UserCodeError naming the micro-batch, and
+    with ``probe`` set (the parameters, their gradients zeroed) the next call also makes sure that
+    it did not call backward() itself."""
 
     def __init__(self, block: Any, get_batch: Callable[[int], Batch], ctx: Any, loss_fn: Callable[..., Any] | None,
-                 step: StepFunction | None, where: str = ""):
+                 step: StepFunction | None, where: str = "", user: bool = True):
         self.block, self.get_batch, self.ctx, self.loss_fn, self.step = block, get_batch, ctx, loss_fn, step
         self.index, self.where = 0, where  # where: said after the failing part's name (" on the float64 copy")
+        self.user = user
         self.probe: dict[str, Any] | None = None
         self.what = "step" if step is not None else "block or loss_fn" if loss_fn is not None else "block"
 
     def __call__(self, index: int) -> tuple[Any, Any]:
         self.index = index
-        batch = on_context(guarded(index, "batches", self.get_batch, index), self.ctx)
+        call = guarded if self.user else _unguarded
+        batch = on_context(call(index, "batches", self.get_batch, index), self.ctx)
         where = self.where
         if self.step is not None:
-            loss = guarded(index, f"step{where}", self.step, self.block, batch)
+            loss = call(index, f"step{where}", self.step, self.block, batch)
             result = _loss_array(loss, "step"), loss
         else:
             inputs, target = split_batch(batch, self.loss_fn is not None)
-            out = guarded(index, f"the block{where}", call_block, self.block, inputs)
+            out = call(index, f"the block{where}", call_block, self.block, inputs)
             if self.loss_fn is None:
-                result = guarded(index, f"the block's output{where}", own_loss, out, _is_scalar), out
+                result = call(index, f"the block's output{where}", own_loss, out, _is_scalar), out
             else:
-                loss = guarded(index, f"loss_fn{where}", apply_loss, self.loss_fn, out, target)
+                loss = call(index, f"loss_fn{where}", apply_loss, self.loss_fn, out, target)
                 result = _loss_array(loss, "loss_fn"), out
         if self.probe is not None:
             params, self.probe = self.probe, None
@@ -60,6 +64,27 @@ class MicroStep:
                 raise UserCodeError(f"check: your {self.what} called backward() itself on micro-batch {index} (the "
                                     f"gradients, zeroed before it, were not zero when it returned); {OWN_BACKWARD}")
         return result
+
+    @contextmanager
+    def probing(self, params: dict[str, Any]) -> Iterator[None]:
+        """The user's code is probed on the next call for a backward() of its own (``params``'
+        gradients must be zeroed before it); not afterwards."""
+        self.probe = params if self.user else None
+        try:
+            yield
+        finally:
+            self.probe = None
+
+    @contextmanager
+    def errors(self, phase: str) -> Iterator[None]:
+        """An MXNetError raised meanwhile by backward() (or by an operator at the next wait) on the
+        user's micro-batch as the one line that names it (``backward_error``)."""
+        try:
+            yield
+        except mx.base.MXNetError as exc:
+            if not self.user:
+                raise
+            raise backward_error(exc, self, phase) from exc
 
 
 def call_block(block: Any, inputs: Any) -> Any:
@@ -93,6 +118,10 @@ def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
             raise UserCodeError(f"check: {what} called backward() on micro-batch {index} and MXNet refused it "
                                 f"({first_line(_readable(exc))}); {OWN_BACKWARD}") from exc
         raise model_error(_readable(exc), index, what, GLUON_CALLS) from exc
+
+
+def _unguarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def backward_error(exc: BaseException, micro: MicroStep, phase: str) -> UserCodeError:

@@ -27,28 +27,23 @@ from ..judge import build_report
 from ..report import Report
 from ..run.backend import Progress
 from ..run.checkargs import CheckShape
-from ..run.faults import Fault, resolve_fault
+from ..run.faults import resolve_fault
 from ..run.resources import check_resources, estimate_model
-from ..run.results import FullBatchGap, ParamAccumulation, RunResult
+from ..run.results import FullBatchGap, RunResult
 from ..run.usermodel import Batch, batch_source, host_random_states
-from .accumulator import accumulator_pass
 from .blockstate import (
     AuxState,
     WeightsKept,
     attributes_kept,
-    clear_cached_ops,
     deferred_kept,
-    grads_kept,
-    layers_for_check,
     materialised,
     never_initialised,
     unique_params,
 )
+from .engine import KERNEL_ALLOWANCE, Gradients, Model, accumulations, passes, replay
 from .library import mx
 from .microstep import MicroStep, StepFunction, backward_error, guarded
 from .model_fullbatch import float64_passes, join
-from .passes import manual_pass, micro_steps, native_pass, set_grad_req
-from .run import KERNEL_ALLOWANCE
 
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 # The shared options it honours: all but memory_budget. A loss_reduction of None is Gluon's
@@ -132,7 +127,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         elements = sum(int(np.prod(p.shape)) for p in params.values())
         check_resources(estimate_model(elements, oracle or full_batch), "check", force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
-        grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
+        model = Model(block, params, micro, ctx, steps, aux, train_mode, keep_grads=True)
+        grads = passes(model, mode, fault, progress, counting=True)
         _refuse_edited(weights, micro)
         oracle_grads, gap = None, None
         if oracle or full_batch:
@@ -149,8 +145,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                 failed = (twins or [micro])[-1]
                 raise backward_error(exc, failed, "the float64 pass") from exc
         settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
-        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap,
-                          oracle_grads if oracle else None)
+        run = _run_result(model, kinds, aliases, grads, notes, settings, mode, gap, oracle_grads if oracle else None)
         loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
         options = {"inject": inject, "train_mode": train_mode or None, "mode": None if mode == "native" else mode,
                    "oracle": oracle or None, "full_batch": full_batch or None,
@@ -160,7 +155,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
             return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
                                 config={"model": type(block).__name__, "loss": loss,
                                         **{k: v for k, v in options.items() if v is not None}},
-                                replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
+                                replay=partial(replay, model, progress=progress))
         except NothingJudgedError as exc:
             raise NothingJudgedError(
                 f"check: nothing was judged: none of the block's {len(params)} parameters with a gradient received "
@@ -195,69 +190,15 @@ def _refuse_edited(weights: WeightsKept, micro: MicroStep) -> None:
                             "the same weights in every micro-batch: leave the update out (they are put back)")
 
 
-def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int,
-            progress: Progress | None, train_mode: bool, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The manual pass's micro-gradients of ``names`` again (the judge's second pass): grad_req
-    'write', every gradient zeroed around each micro-step, from the auxiliary state as found; the
-    block as found afterwards."""
-    refresh = partial(clear_cached_ops, block)
-    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
-        aux.restore()
-        set_grad_req(params, {}, "write", refresh)
-        for param in params.values():
-            param.zero_grad()
-        try:
-            for index, _ in micro_steps(micro, steps, []):
-                yield {name: params[name].grad().asnumpy() for name in names}
-                for param in params.values():
-                    param.zero_grad()
-                if progress is not None:
-                    progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
-        except mx.base.MXNetError as exc:
-            raise backward_error(exc, micro, "the backward pass") from exc
-
-
-def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int, ctx: Any,
-            fault: Fault | None, progress: Progress | None, train_mode: bool, mode: str = "native") -> dict[str, Any]:
-    """Both passes, each from the auxiliary state as found; the block as found afterwards."""
-    refresh = partial(clear_cached_ops, block)
-    counts: dict[str, int] = {}
-    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
-        micro.probe = params  # both native passes zero the gradients first: micro-step 0 finds them zero
-        try:
-            if mode == "native":
-                native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
-            else:
-                native, native_loss, _ = accumulator_pass(params, micro, steps, ctx, fault, progress,
-                                                          mode == "compensated", f"{mode}: GradAccumulator", refresh)
-            aux.restore()
-            manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
-                                                               counts=counts)
-        except mx.base.MXNetError as exc:  # raised by backward(), or by an operator at the next wait
-            raise backward_error(exc, micro, "the backward pass") from exc
-        finally:
-            micro.probe = None
-    return {"native": native, "manual": manual, "exact": exact, "absum": absum, "counts": counts,
-            "losses": {"mean_loss": native_loss, "manual_mean_loss": manual_loss}}
-
-
-def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str, tuple[str, ...]],
-                grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any],
-                mode: str = "native", gap: FullBatchGap | None = None,
+def _run_result(model: Model, kinds: dict[str, str], aliases: dict[str, tuple[str, ...]], grads: Gradients,
+                notes: list[str], settings: dict[str, Any], mode: str = "native", gap: FullBatchGap | None = None,
                 oracle: dict[str, np.ndarray] | None = None) -> RunResult:
     # A GradAccumulator sums in float32 from grad_req='write' gradients: the manual pass's rounding.
-    param_dtype = np.dtype(next(iter(params.values())).dtype).name if mode == "native" else "float32"
-    accumulations = []
-    for name, p in params.items():
-        dtype, count = np.dtype(p.dtype).name, grads["counts"][name]
-        accumulations.append(ParamAccumulation(
-            name, kinds[name], grads["native"][name], grads["manual"][name], grads["exact"][name],
-            grads["absum"][name], dtype=None if dtype == param_dtype else dtype, aliases=aliases.get(name, ()),
-            steps_with_grad=count if count < steps else None, oracle=None if oracle is None else oracle[name]))
-    return RunResult(params=accumulations, framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
-                     param_dtype=param_dtype, accum_dtype="float32",
-                     native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
-                     losses=grads["losses"], settings=settings, notes=notes, full_batch=gap)
+    param_dtype = np.dtype(next(iter(model.params.values())).dtype).name if mode == "native" else "float32"
+    return RunResult(params=accumulations(model, grads, kinds, oracle, param_dtype, aliases), framework="mxnet",
+                     versions={"mxnet": mx.__version__}, device=str(model.ctx), param_dtype=param_dtype,
+                     accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
+                     losses=grads.losses, settings=settings, notes=notes, full_batch=gap)
 
 
 def _check_initialised(params: dict[str, Any]) -> None:
