@@ -41,9 +41,9 @@ from .blockstate import (
     unique_params,
 )
 from .engine import KERNEL_ALLOWANCE, Gradients, Model, accumulations, passes, replay
+from .fullbatch import float64_passes, join
 from .library import mx
 from .microstep import MicroStep, StepFunction, backward_error, guarded
-from .model_fullbatch import float64_passes, join
 
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
 # The shared options it honours: all but memory_budget. A loss_reduction of None is Gluon's

@@ -16,7 +16,7 @@ from ..run.config import RunConfig
 from ..run.results import RunResult
 from .casemodel import case_step, float16_on_cpu, prepared, resolve_context
 from .engine import KERNEL_ALLOWANCE, Gradients, Model, accumulate, accumulations, float32, group_passes, passes, replay
-from .fullbatch import full_batch_gap
+from .fullbatch import case_full_batch
 from .library import mx
 
 
@@ -46,8 +46,8 @@ def run(config: RunConfig, versions: dict[str, str], progress: Progress | None =
             grads.losses["oracle_mean_loss"] = oracle_loss
     gap = None
     if config.full_batch:
-        gap, settings["full_batch_reference"] = full_batch_gap(case, weights, steps, ctx, hybridize, config.device,
-                                                               progress)
+        gap, settings["full_batch_reference"] = case_full_batch(case, weights, steps, ctx, hybridize, config.device,
+                                                                progress)
         notes.append(f"full batch {settings['full_batch_reference']}")
     return _result(config, model, grads, versions, settings, notes, oracle_grads, gap)
 
