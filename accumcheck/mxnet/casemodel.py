@@ -1,9 +1,10 @@
-"""The case as a Gluon HybridBlock: contexts, the layer primitives, the loss."""
+"""The case as a Gluon HybridBlock, a loss and batches: contexts, the layer primitives, the block,
+the loss, and the micro-step the engine runs them by."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from ..case.definition import IGNORE_LABEL, LAYERNORM_EPS, Case
 from ..case.layers import run_layers
 from ..errors import AccumcheckError
 from .library import mx
+from .microstep import MicroStep
 
 
 def resolve_context(device: str) -> Any:
@@ -137,3 +139,47 @@ def case_loss(case: Case, logits: Any, labels: Any, total_tokens: int | None = N
     if case.loss_reduction == "token_count":
         return total / total_tokens
     return total / kept.sum() if case.loss_reduction == "mean" else total
+
+
+def prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool) -> Any:
+    """``build_block``, hybridized (``static_alloc=True``, as in the original bug reports) unless not asked to."""
+    block = build_block(case, weights, dtype, ctx)
+    if hybridize:
+        block.hybridize(static_alloc=True)
+    return block
+
+
+def case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 0) -> MicroStep:
+    """The case's micro-step ``index`` through ``block``: (loss, output). Its batches are
+    ``((inputs[, gates]), labels)`` and its loss ``case_loss``; what they raise is raised as it is."""
+    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
+
+    def batch(index: int) -> tuple[tuple[Any, ...], Any]:
+        micro = case.batch(index)
+        return case_batch(micro.inputs, micro.labels, case.gates(micro.index), ctx, dtype)
+
+    return MicroStep(block, batch, ctx, case_loss_fn(case, total), None, user=False)
+
+
+def whole_step(case: Case, block: Any, ctx: Any, accum_steps: int) -> MicroStep:
+    """The case's ``accum_steps`` micro-batches joined into one batch, in float64, through ``block``
+    (its micro-step 0). The whole batch's mean over its labelled tokens is the token-count loss's
+    sum over the window."""
+    batches = [case.batch(k) for k in range(accum_steps)]  # the whole window at once: memory grows with N
+    inputs = np.concatenate([b.inputs for b in batches])
+    labels = np.concatenate([b.labels for b in batches])
+    whole = case if case.loss_reduction != "token_count" else case.with_reduction("mean")
+    return MicroStep(block, lambda _: case_batch(inputs, labels, [], ctx, "float64"), ctx, case_loss_fn(whole), None,
+                     user=False)
+
+
+def case_batch(inputs: np.ndarray, labels: np.ndarray, gates: Any, ctx: Any, dtype: str) -> tuple[tuple[Any, ...], Any]:
+    """One batch as NDArrays on ``ctx``: ``((inputs, gates), labels)``, or ``((inputs,), labels)``
+    without gates. Embedding takes its indices as floats (exact below 2**24)."""
+    x = mx.nd.array(inputs, ctx=ctx, dtype=dtype)
+    y = mx.nd.array(labels, ctx=ctx, dtype=dtype)
+    return ((x, mx.nd.array(gates, ctx=ctx, dtype=dtype)) if gates else (x,)), y
+
+
+def case_loss_fn(case: Case, total_tokens: int | None = None) -> Callable[[Any, Any], Any]:
+    return lambda logits, labels: case_loss(case, logits, labels, total_tokens)

@@ -14,10 +14,7 @@ NumPy's random states.
 
 from __future__ import annotations
 
-import inspect
-import re
 import time
-from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -25,52 +22,30 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..case.definition import infer_kind
-from ..errors import USER_EXCEPTIONS, AccumcheckError, NothingJudgedError, UserCodeError, first_line
+from ..errors import AccumcheckError, NothingJudgedError, UserCodeError
 from ..judge import build_report
 from ..report import Report
 from ..run.backend import Progress
 from ..run.checkargs import CheckShape
-from ..run.faults import Fault, resolve_fault
+from ..run.faults import resolve_fault
 from ..run.resources import check_resources, estimate_model
-from ..run.results import FullBatchGap, ParamAccumulation, RunResult
-from ..run.usermodel import (
-    Batch,
-    apply_loss,
-    batch_source,
-    call_model,
-    host_random_states,
-    map_leaves,
-    model_error,
-    own_loss,
-    split_batch,
-)
-from .accumulator import accumulator_pass
+from ..run.results import FullBatchGap, RunResult
+from ..run.usermodel import Batch, batch_source, host_random_states
 from .blockstate import (
     AuxState,
     WeightsKept,
     attributes_kept,
-    clear_cached_ops,
     deferred_kept,
-    grads_kept,
-    layers_for_check,
     materialised,
     never_initialised,
     unique_params,
 )
+from .engine import KERNEL_ALLOWANCE, Gradients, Model, accumulations, passes, replay
+from .fullbatch import float64_passes, join
 from .library import mx
-from .model_fullbatch import float64_passes, join
-from .passes import manual_pass, micro_steps, native_pass, set_grad_req
-from .run import KERNEL_ALLOWANCE
+from .microstep import MicroStep, StepFunction, backward_error, guarded
 
-CPP_TRACEBACK = ("Traceback (most recent call last)", "  File ")
-CPP_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[10:37:19] ../src/operator/nn/convolution.cc:151: "
 Batches = Sequence[Batch] | Iterable[Batch] | Callable[[int], Batch]
-# Block.__call__ takes no keyword arguments in MXNet 1.x: a dict meets forward's parameter names.
-GLUON_CALLS = "a tuple is passed as block(*inputs), a dict by the names of forward's parameters"
-StepFunction = Callable[[Any, Batch], Any]
-OWN_BACKWARD = "return the loss; accumcheck calls backward itself"
-# What MXNet says when backward() meets a loss whose graph is gone or was never recorded.
-NOT_RECORDED = "not in a computational graph"
 # The shared options it honours: all but memory_budget. A loss_reduction of None is Gluon's
 # convention: per-example losses, which backward() sums.
 SHAPE = CheckShape("accumcheck.mxnet.check", frozenset(
@@ -152,7 +127,8 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
         elements = sum(int(np.prod(p.shape)) for p in params.values())
         check_resources(estimate_model(elements, oracle or full_batch), "check", force=force)
         aux = AuxState({name: p for name, p in everything.items() if materialised(p) and p.grad_req == "null"})
-        grads = _passes(block, params, aux, micro, steps, ctx, fault, progress, train_mode, mode)
+        model = Model(block, params, micro, ctx, steps, aux, train_mode, keep_grads=True)
+        grads = passes(model, mode, fault, progress, counting=True)
         _refuse_edited(weights, micro)
         oracle_grads, gap = None, None
         if oracle or full_batch:
@@ -167,10 +143,9 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
                                                    loss_fn is not None, train_mode, progress)
             except mx.base.MXNetError as exc:
                 failed = (twins or [micro])[-1]
-                raise _backward_error(exc, failed, "the float64 pass") from exc
+                raise backward_error(exc, failed, "the float64 pass") from exc
         settings = {"hybridize": bool(getattr(block, "_active", False)), "train_mode": train_mode, "mode": mode}
-        run = _run_result(params, kinds, aliases, grads, steps, ctx, notes, settings, mode, gap,
-                          oracle_grads if oracle else None)
+        run = _run_result(model, kinds, aliases, grads, notes, settings, mode, gap, oracle_grads if oracle else None)
         loss = "step" if step is not None else "loss_fn" if loss_fn is not None else "output.loss"
         options = {"inject": inject, "train_mode": train_mode or None, "mode": None if mode == "native" else mode,
                    "oracle": oracle or None, "full_batch": full_batch or None,
@@ -180,7 +155,7 @@ def check(model: Any, loss_fn: Callable[..., Any] | None = None, batches: Batche
             return build_report(None, run, steps, fault, oracle, time.perf_counter() - started,
                                 config={"model": type(block).__name__, "loss": loss,
                                         **{k: v for k, v in options.items() if v is not None}},
-                                replay=partial(_replay, block, params, aux, micro, steps, progress, train_mode))
+                                replay=partial(replay, model, progress=progress))
         except NothingJudgedError as exc:
             raise NothingJudgedError(
                 f"check: nothing was judged: none of the block's {len(params)} parameters with a gradient received "
@@ -215,161 +190,15 @@ def _refuse_edited(weights: WeightsKept, micro: MicroStep) -> None:
                             "the same weights in every micro-batch: leave the update out (they are put back)")
 
 
-def _replay(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int,
-            progress: Progress | None, train_mode: bool, names: list[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The manual pass's micro-gradients of ``names`` again (the judge's second pass): grad_req
-    'write', every gradient zeroed around each micro-step, from the auxiliary state as found; the
-    block as found afterwards."""
-    refresh = partial(clear_cached_ops, block)
-    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
-        aux.restore()
-        set_grad_req(params, {}, "write", refresh)
-        for param in params.values():
-            param.zero_grad()
-        try:
-            for index, _ in micro_steps(micro, steps, []):
-                yield {name: params[name].grad().asnumpy() for name in names}
-                for param in params.values():
-                    param.zero_grad()
-                if progress is not None:
-                    progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
-        except mx.base.MXNetError as exc:
-            raise _backward_error(exc, micro, "the backward pass") from exc
-
-
-class MicroStep:
-    """The user's micro-step ``index`` on ``ctx``: (loss, output). An exception raised by the
-    user's code becomes a one-line UserCodeError naming the micro-batch. With ``probe`` set (the
-    parameters, their gradients zeroed), the next call also makes sure that the user's code did
-    not call backward() itself."""
-
-    def __init__(self, block: Any, get_batch: Callable[[int], Batch], ctx: Any, loss_fn: Callable[..., Any] | None,
-                 step: StepFunction | None, where: str = ""):
-        self.block, self.get_batch, self.ctx, self.loss_fn, self.step = block, get_batch, ctx, loss_fn, step
-        self.index, self.where = 0, where  # where: said after the failing part's name (" on the float64 copy")
-        self.probe: dict[str, Any] | None = None
-        self.what = "step" if step is not None else "block or loss_fn" if loss_fn is not None else "block"
-
-    def __call__(self, index: int) -> tuple[Any, Any]:
-        self.index = index
-        batch = on_context(guarded(index, "batches", self.get_batch, index), self.ctx)
-        where = self.where
-        if self.step is not None:
-            loss = guarded(index, f"step{where}", self.step, self.block, batch)
-            result = _loss_array(loss, "step"), loss
-        else:
-            inputs, target = split_batch(batch, self.loss_fn is not None)
-            out = guarded(index, f"the block{where}", call_block, self.block, inputs)
-            if self.loss_fn is None:
-                result = guarded(index, f"the block's output{where}", own_loss, out, _is_scalar), out
-            else:
-                loss = guarded(index, f"loss_fn{where}", apply_loss, self.loss_fn, out, target)
-                result = _loss_array(loss, "loss_fn"), out
-        if self.probe is not None:
-            params, self.probe = self.probe, None
-            if any(np.any(g.asnumpy()) for p in params.values() for g in p.list_grad()):
-                raise UserCodeError(f"check: your {self.what} called backward() itself on micro-batch {index} (the "
-                                    f"gradients, zeroed before it, were not zero when it returned); {OWN_BACKWARD}")
-        return result
-
-
-def call_block(block: Any, inputs: Any) -> Any:
-    """call_model, but a mapping is bound to the names of the block's forward parameters: Gluon's
-    Block.__call__ takes no keyword arguments."""
-    if not isinstance(inputs, Mapping):
-        return call_model(block, inputs)
-    hybrid = isinstance(block, mx.gluon.HybridBlock)
-    signature = inspect.signature(block.hybrid_forward if hybrid else block.forward)
-    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [p.name for p in params[1:]] if hybrid else [p.name for p in params]  # hybrid_forward(self, F, ...)
-    unknown = [key for key in inputs if key not in names]
-    if unknown:
-        raise AccumcheckError(f"check: the batch has {', '.join(map(repr, unknown))}, which "
-                              f"{type(block).__name__}.forward does not take (it takes {', '.join(names)}); "
-                              "give a dict of its parameter names, a tuple, or pass step=lambda block, batch: loss")
-    count = max(names.index(key) for key in inputs) + 1
-    defaults = {p.name: None if p.default is p.empty else p.default for p in params}
-    return block(*(inputs[name] if name in inputs else defaults[name] for name in names[:count]))
-
-
-def guarded(index: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, its exception (not an AccumcheckError; SystemExit too) turned into
-    model_error's one line; a backward() of its own where no graph is recorded, into the fix."""
-    try:
-        return fn(*args)
-    except AccumcheckError:
-        raise
-    except USER_EXCEPTIONS as exc:
-        if isinstance(exc, mx.base.MXNetError) and NOT_RECORDED in str(exc):
-            raise UserCodeError(f"check: {what} called backward() on micro-batch {index} and MXNet refused it "
-                                f"({first_line(_readable(exc))}); {OWN_BACKWARD}") from exc
-        raise model_error(_readable(exc), index, what, GLUON_CALLS) from exc
-
-
-def _backward_error(exc: BaseException, micro: MicroStep, phase: str) -> UserCodeError:
-    """The one line for an MXNetError raised by accumcheck's backward() (or an operator at the
-    next wait) on ``micro``'s current micro-batch; raise it ``from exc``."""
-    if NOT_RECORDED not in str(exc):
-        return model_error(_readable(exc), micro.index, phase, GLUON_CALLS)
-    return UserCodeError(f"check: the loss of micro-batch {micro.index} is {NOT_RECORDED} when accumcheck "
-                         f"calls backward() on it: your {micro.what} called backward() itself, or "
-                         f"computed the loss outside autograd (autograd.pause(), .detach(), a new NDArray); "
-                         f"{OWN_BACKWARD}, computed from the block's output")
-
-
-def on_context(value: Any, ctx: Any) -> Any:
-    """NDArrays moved to ``ctx`` and numpy arrays made NDArrays there, through tuples, lists and dicts."""
-    def move(leaf: Any) -> Any:
-        if isinstance(leaf, mx.nd.NDArray):
-            return leaf.as_in_context(ctx)
-        if isinstance(leaf, np.ndarray):
-            return mx.nd.array(leaf, ctx=ctx)
-        return leaf
-
-    return map_leaves(value, move)
-
-
-def _passes(block: Any, params: dict[str, Any], aux: AuxState, micro: MicroStep, steps: int, ctx: Any,
-            fault: Fault | None, progress: Progress | None, train_mode: bool, mode: str = "native") -> dict[str, Any]:
-    """Both passes, each from the auxiliary state as found; the block as found afterwards."""
-    refresh = partial(clear_cached_ops, block)
-    counts: dict[str, int] = {}
-    with grads_kept(params, block), aux.kept(), layers_for_check(block, train_mode):
-        micro.probe = params  # both native passes zero the gradients first: micro-step 0 finds them zero
-        try:
-            if mode == "native":
-                native, native_loss, _ = native_pass(params, micro, steps, ctx, fault, progress, refresh=refresh)
-            else:
-                native, native_loss, _ = accumulator_pass(params, micro, steps, ctx, fault, progress,
-                                                          mode == "compensated", f"{mode}: GradAccumulator", refresh)
-            aux.restore()
-            manual, exact, absum, manual_loss, _ = manual_pass(params, micro, steps, ctx, progress, refresh=refresh,
-                                                               counts=counts)
-        except mx.base.MXNetError as exc:  # raised by backward(), or by an operator at the next wait
-            raise _backward_error(exc, micro, "the backward pass") from exc
-        finally:
-            micro.probe = None
-    return {"native": native, "manual": manual, "exact": exact, "absum": absum, "counts": counts,
-            "losses": {"mean_loss": native_loss, "manual_mean_loss": manual_loss}}
-
-
-def _run_result(params: dict[str, Any], kinds: dict[str, str], aliases: dict[str, tuple[str, ...]],
-                grads: dict[str, Any], steps: int, ctx: Any, notes: list[str], settings: dict[str, Any],
-                mode: str = "native", gap: FullBatchGap | None = None,
+def _run_result(model: Model, kinds: dict[str, str], aliases: dict[str, tuple[str, ...]], grads: Gradients,
+                notes: list[str], settings: dict[str, Any], mode: str = "native", gap: FullBatchGap | None = None,
                 oracle: dict[str, np.ndarray] | None = None) -> RunResult:
     # A GradAccumulator sums in float32 from grad_req='write' gradients: the manual pass's rounding.
-    param_dtype = np.dtype(next(iter(params.values())).dtype).name if mode == "native" else "float32"
-    accumulations = []
-    for name, p in params.items():
-        dtype, count = np.dtype(p.dtype).name, grads["counts"][name]
-        accumulations.append(ParamAccumulation(
-            name, kinds[name], grads["native"][name], grads["manual"][name], grads["exact"][name],
-            grads["absum"][name], dtype=None if dtype == param_dtype else dtype, aliases=aliases.get(name, ()),
-            steps_with_grad=count if count < steps else None, oracle=None if oracle is None else oracle[name]))
-    return RunResult(params=accumulations, framework="mxnet", versions={"mxnet": mx.__version__}, device=str(ctx),
-                     param_dtype=param_dtype, accum_dtype="float32",
-                     native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
-                     losses=grads["losses"], settings=settings, notes=notes, full_batch=gap)
+    param_dtype = np.dtype(next(iter(model.params.values())).dtype).name if mode == "native" else "float32"
+    return RunResult(params=accumulations(model, grads, kinds, oracle, param_dtype, aliases), framework="mxnet",
+                     versions={"mxnet": mx.__version__}, device=str(model.ctx), param_dtype=param_dtype,
+                     accum_dtype="float32", native_kernel_allowance=KERNEL_ALLOWANCE if mode == "native" else 0.0,
+                     losses=grads.losses, settings=settings, notes=notes, full_batch=gap)
 
 
 def _check_initialised(params: dict[str, Any]) -> None:
@@ -406,28 +235,3 @@ def _mode_note(train_mode: bool) -> str:
     if train_mode:
         return "train_mode: BatchNorm on batch statistics, Dropout off"
     return "BatchNorm on running statistics, Dropout off"
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, mx.nd.NDArray) and value.size == 1
-
-
-def _loss_array(loss: Any, what: str) -> Any:
-    if not isinstance(loss, mx.nd.NDArray):
-        raise AccumcheckError(f"check: {what} returned a {type(loss).__name__}, not an NDArray; return the loss "
-                              "NDArray (per example or scalar) whose backward() gives the gradients")
-    return loss
-
-
-def _readable(exc: BaseException) -> BaseException:
-    """The exception with MXNet's C++ traceback lines and source locations taken out of its text,
-    so that its first line says what failed."""
-    lines = [line.removeprefix("MXNetError: ") for line in str(exc).strip().splitlines()
-             if not line.startswith(CPP_TRACEBACK)]
-    text = CPP_LOCATION.sub("", "\n".join(lines))
-    if text == str(exc):
-        return exc
-    try:
-        return type(exc)(text)
-    except Exception:
-        return exc

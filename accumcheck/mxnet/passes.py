@@ -14,38 +14,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from mxnet import autograd
 
-from ..case.definition import Case
 from ..judge.hostsums import add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector, round_to_bfloat16
-from .casemodel import build_block, case_loss
+from .casemodel import case_step, prepared  # noqa: F401  # where benchmarks/bench_core.py takes them
 from .library import mx
 
 # A step function runs one micro-step's forward under autograd.record() and returns (loss, output).
 StepFn = Callable[[int], tuple[Any, Any]]
-
-
-def case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 0) -> StepFn:
-    """The case's micro-step ``index`` through ``block``: (loss, output)."""
-    total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
-
-    def step(index: int) -> tuple[Any, Any]:
-        batch = case.batch(index)
-        # Embedding takes its indices as floats (exact below 2**24).
-        inputs = mx.nd.array(batch.inputs, ctx=ctx, dtype=dtype)
-        labels = mx.nd.array(batch.labels, ctx=ctx, dtype=dtype)
-        gates = case.gates(batch.index)
-        out = block(inputs, mx.nd.array(gates, ctx=ctx, dtype=dtype)) if gates else block(inputs)
-        return case_loss(case, out, labels, total), out
-
-    return step
-
-
-def prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, hybridize: bool) -> Any:
-    block = build_block(case, weights, dtype, ctx)
-    if hybridize:
-        block.hybridize(static_alloc=True)
-    return block
 
 
 def set_grad_req(params: dict[str, Any], req: dict[str, str], default: str, refresh: Callable[[], None] | None) -> None:

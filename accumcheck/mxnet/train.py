@@ -23,9 +23,9 @@ from ..report import TrajectoryReport
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.trajectory import Trajectory
-from .casemodel import resolve_context
+from .casemodel import case_step, prepared, resolve_context
 from .library import mx
-from .passes import StepFn, case_step, manual_pass, native_pass, prepared
+from .passes import StepFn, manual_pass, native_pass
 
 
 def train(config: RunConfig, steps: int, optimizer: str, lr: float, versions: dict[str, str],

@@ -47,8 +47,8 @@ def test_a_loss_summed_over_tokens_where_the_mean_is_meant_is_caught_as_the_toke
     """Negative control with one constant: the accumulated gradient of a summed loss against the
     full batch of the token mean is T times it, and the check names T."""
     case, ctx = builtin_case("padded-tokens"), mx.cpu()
-    summed, where = fullbatch.full_batch_gap(case.with_reduction("sum"), case.weights(), 4, ctx, True, "cpu")
-    mean, _ = fullbatch.full_batch_gap(case.with_reduction("token_count"), case.weights(), 4, ctx, True, "cpu")
+    summed, where = fullbatch.case_full_batch(case.with_reduction("sum"), case.weights(), 4, ctx, True, "cpu")
+    mean, _ = fullbatch.case_full_batch(case.with_reduction("token_count"), case.weights(), 4, ctx, True, "cpu")
     assert where == "mxnet float64"
     check = full_batch_verdict(FullBatchGap("mean", "1", summed.accumulated, mean.full, summed.item_counts), 4)
     assert check.constant and check.matches == "T" and check.spread < 1e-12 and check.residual < 1e-12

@@ -32,7 +32,7 @@ def test_a_clean_run_stays_in_the_band():
 def _by_hand(native: bool, optimizer: str, steps: int, multi_precision: bool = False, dtype: str = "float32"):
     """The case's loop as a Gluon user writes it, independently of accumcheck's passes."""
     from accumcheck.case.reading import resolve_case
-    from accumcheck.mxnet.passes import case_step, prepared
+    from accumcheck.mxnet.casemodel import case_step, prepared
 
     case = resolve_case("shared-weight")
     n = case.accum_steps
