@@ -345,7 +345,7 @@ def bench_mxnet(steps: int, reps: int) -> dict | None:
         return None
     import accumcheck
     from accumcheck.case.reading import resolve_case
-    from accumcheck.mxnet.passes import case_step, prepared
+    from accumcheck.mxnet.casemodel import case_step, prepared
 
     case = resolve_case(CASE)
 

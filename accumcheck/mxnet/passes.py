@@ -17,7 +17,6 @@ from mxnet import autograd
 from ..judge.hostsums import add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector, round_to_bfloat16
-from .casemodel import case_step, prepared  # noqa: F401  # where benchmarks/bench_core.py takes them
 from .library import mx
 
 # A step function runs one micro-step's forward under autograd.record() and returns (loss, output).
