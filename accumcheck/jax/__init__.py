@@ -15,7 +15,7 @@ __all__ = ["check"]
 
 def __getattr__(name: str) -> Any:
     if name == "check":
-        from .model_check import check
+        from .usercheck import check
 
         return check
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

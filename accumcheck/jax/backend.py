@@ -50,17 +50,17 @@ class JaxBackend(Backend):
 
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:
-        from .run import run
+        from .builtin import run
 
         return run(config, self.versions(), progress, weights)
 
     def model_check(self) -> Callable[..., Any]:
-        from .model_check import check
+        from .usercheck import check
 
         return check
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
-        from .run import micro_gradients
+        from .builtin import micro_gradients
 
         return micro_gradients(config, names, progress, weights)

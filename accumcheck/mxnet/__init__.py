@@ -16,7 +16,7 @@ __all__ = ["GradAccumulator", "GradMonitor", "check"]
 
 def __getattr__(name: str) -> Any:
     if name == "check":
-        from .model_check import check
+        from .usercheck import check
 
         return check
     if name == "GradMonitor":

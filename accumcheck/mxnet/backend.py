@@ -46,32 +46,32 @@ class MXNetBackend(Backend):
         return {"mxnet": mx.__version__}
 
     def model_check(self) -> Callable[..., Any]:
-        from .model_check import check
+        from .usercheck import check
 
         return check
 
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:
-        from .run import run
+        from .builtin import run
 
         _check_multi_precision(config)
         return run(config, self.versions(), progress, weights)
 
     def tensor_needs(self, config: RunConfig) -> list[TensorNeed]:
-        from .run import tensor_needs
+        from .builtin import tensor_needs
 
         return tensor_needs(config)
 
     def run_groups(self, config: RunConfig, groups: list[list[str]], progress: Progress | None = None
                    ) -> Iterator[RunResult]:
-        from .run import run_groups
+        from .builtin import run_groups
 
         _check_multi_precision(config)
         return run_groups(config, groups, self.versions(), progress)
 
     def micro_gradients(self, config: RunConfig, names: list[str], progress: Progress | None = None,
                         weights: dict[str, np.ndarray] | None = None) -> Iterator[dict[str, np.ndarray]]:
-        from .run import micro_gradients
+        from .builtin import micro_gradients
 
         return micro_gradients(config, names, progress, weights)
 

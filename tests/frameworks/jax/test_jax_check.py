@@ -288,7 +288,7 @@ def test_names_are_readable_and_unique():
 
 def test_accumcheck_jax_exports_check_lazily_and_the_backend_hands_it_out():
     from accumcheck.jax.backend import JaxBackend
-    from accumcheck.jax.model_check import check
+    from accumcheck.jax.usercheck import check
 
     assert accumcheck.jax.check is check and JaxBackend().model_check() is check
     code = "import sys, accumcheck.jax; assert 'jax' not in sys.modules and 'optax' not in sys.modules"
