@@ -5,6 +5,7 @@ reports) unless asked not to be."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Iterator
 
 import numpy as np
@@ -136,9 +137,9 @@ def _oracle(case: Case, weights: dict[str, np.ndarray], ctx: Any, hybridize: boo
         return grads, loss, "mxnet float64"
     except mx.base.MXNetError as exc:
         reason = str(exc).strip().splitlines()[0][:160]
-    try:
-        from ..torch.run import float64_oracle
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         return None, None, f"none: MXNet float64 failed ({reason}) and torch is not installed"
+    from ..torch.builtin import float64_oracle
+
     grads, loss = float64_oracle(case, weights, accum_steps, "cpu" if device == "cpu" else "cuda", progress)
     return grads, loss, f"torch float64 (MXNet float64 failed: {reason})"

@@ -7,6 +7,7 @@ copy, so the block itself is not cast; its accumulation there is also the oracle
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any, Callable
 
 import numpy as np
@@ -48,14 +49,11 @@ def case_full_batch(case: Case, weights: dict[str, np.ndarray], accum_steps: int
         return _on_mxnet(case, weights, accum_steps, ctx, hybridize, progress), "mxnet float64"
     except mx.base.MXNetError as exc:
         reason = str(exc).strip().splitlines()[0][:160]
-    try:
-        from ..torch.casemodel import deterministic, isolated, resolve_device
-        from ..torch.fullbatch import full_batch_gap as torch_gap
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         return None, f"none: MXNet float64 failed ({reason}) and torch is not installed"
-    dev = resolve_device("cpu" if device == "cpu" else "cuda")
-    with deterministic(dev), isolated(dev):
-        gap = torch_gap(case, weights, accum_steps, dev, progress)
+    from ..torch.builtin import full_batch_gap as torch_gap
+
+    gap = torch_gap(case, weights, accum_steps, "cpu" if device == "cpu" else "cuda", progress)
     return gap, f"torch float64 (MXNet float64 failed: {reason})"
 
 

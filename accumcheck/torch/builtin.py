@@ -13,9 +13,9 @@ import torch
 from ..case.definition import IGNORE_LABEL, Case
 from ..run.backend import Progress
 from ..run.config import RunConfig
-from ..run.results import ParamAccumulation, RunResult
+from ..run.results import FullBatchGap, ParamAccumulation, RunResult
 from . import engine
-from .casemodel import build_model, case_loss, isolated, resolve_device, to_inputs, to_numpy
+from .casemodel import build_model, case_loss, deterministic, isolated, resolve_device, to_inputs, to_numpy
 from .passes import accumulate
 
 
@@ -132,7 +132,35 @@ def case_native(case: Case, weights: dict[str, np.ndarray], dtype: Any, device: 
                 progress: Progress | None, phase: str) -> tuple[dict[str, Any], float]:
     """The case's N micro-steps accumulated natively (``.grad``) in ``dtype``, and the mean loss:
     a reference for the data-parallel runner."""
-    subject = CaseSubject(case, weights, dtype, device, steps)
-    result = accumulate(subject.params, subject.step_loss(subject.model), steps, None, progress, phase,
-                               hold_refs=True)
+    return _native(CaseSubject(case, weights, dtype, device, steps), progress, phase)
+
+
+def _native(subject: CaseSubject, progress: Progress | None, phase: str) -> tuple[dict[str, Any], float]:
+    result = accumulate(subject.params, subject.step_loss(subject.model), subject.steps, None, progress, phase,
+                        hold_refs=True)
     return result["native"], result["loss"]
+
+
+def float64_oracle(case: Case, weights: dict[str, np.ndarray], accum_steps: int, device: str,
+                   progress: Progress | None = None) -> tuple[dict[str, np.ndarray], float]:
+    """The case's accumulated gradients in float64, and its mean loss: the oracle for another
+    framework that lacks a float64 kernel (MXNet)."""
+    dev = resolve_device(device)
+    with isolated(dev):
+        subject = CaseSubject(case, weights, torch.float64, dev, accum_steps)
+    with deterministic(dev), isolated(dev):
+        native, loss = _native(subject, progress, "float64 oracle (torch)")
+        return {name: to_numpy(g) for name, g in native.items()}, loss
+
+
+def full_batch_gap(case: Case, weights: dict[str, np.ndarray], accum_steps: int, device: str,
+                   progress: Progress | None = None) -> FullBatchGap:
+    """The case's full-batch comparison in float64 (``engine.float64_pass``): for another framework
+    that lacks a float64 kernel (MXNet)."""
+    dev = resolve_device(device)
+    with isolated(dev):
+        subject = CaseSubject(case, weights, torch.float64, dev, accum_steps)
+    with deterministic(dev), isolated(dev):
+        gap = engine.float64_pass(subject, subject.model, subject.params, True, progress).full_batch
+    assert gap is not None
+    return gap

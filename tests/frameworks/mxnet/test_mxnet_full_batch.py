@@ -85,3 +85,24 @@ def test_cli_judges_mxnet_full_batch_and_refuses_a_conditional_case():
     assert "--framework mxnet" in result.stdout and "--full-batch --loss-reduction mean" in result.stdout
     refused = run_cli("compare", "--framework", "mxnet", "--case", "conditional-branch", "--full-batch")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_without_a_float64_kernel_the_oracle_is_pytorch_s_and_the_report_says_so(monkeypatch):
+    pytest.importorskip("torch")
+    from accumcheck.mxnet import builtin
+
+    on_mxnet = accumcheck.compare("embed-attention", framework="mxnet", oracle=True, accum_steps=8)
+    made = builtin.case_model
+
+    def no_float64(case, weights, dtype, *args, **kwargs):
+        if dtype == "float64":
+            raise mx.base.MXNetError("Operator Embedding has no float64 kernel here\nmore")
+        return made(case, weights, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(builtin, "case_model", no_float64)
+    on_torch = accumcheck.compare("embed-attention", framework="mxnet", oracle=True, accum_steps=8)
+    assert "oracle torch float64 (MXNet float64 failed: Operator Embedding has no float64 kernel here)" in on_torch.notes
+    assert on_torch.exit_code == 0 and "oracle mxnet float64" in on_mxnet.notes
+    # The same float64 model in the other framework: the oracle's errors agree far below float32's.
+    for a, b in zip(on_mxnet.tensors, on_torch.tensors):
+        assert b.oracle_err_native == pytest.approx(a.oracle_err_native, rel=1e-3)
