@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     run = subprocess.run([sys.executable, *COMMAND], cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    last = (run.stdout.strip().splitlines() or [""])[-1]
+    lines = run.stdout.strip().splitlines() or [""]
+    last = lines[-1]
+    for line in lines:  # what failed, as pytest's summary names it
+        if line.startswith(("FAILED ", "ERROR ")):
+            print(line)
     counts = {word.rstrip("s") if word.startswith("error") else word: int(n) for n, word in COUNTS.findall(last)}
     print(last)
     print(f"the default suite took {seconds:.0f} s ({seconds / 60:.1f} min) on {about['cores']} cores of "

@@ -96,9 +96,11 @@ class Terminal:
 
 
 def _default_sigint() -> None:
-    """In the child: Ctrl-C at its default, even where the test runs as a background job (whose
-    shell ignores SIGINT, an ignoring that the child would otherwise inherit)."""
+    """In the child: Ctrl-C and hang-up at their defaults, even where the test runs as a background
+    job (whose shell ignores SIGINT) or under nohup (which ignores SIGHUP): an ignoring the child
+    would otherwise inherit, and rightly keep."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
