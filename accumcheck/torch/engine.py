@@ -176,16 +176,7 @@ def float64_pass(subject: Subject, twin: Any, params: dict[str, Any], full_batch
     for p in params.values():
         p.grad = None
     what = "the micro-batches joined into one batch"
-    whole = subject.whole_loss(twin, batches)
-    try:
-        whole.backward()
-    except AccumcheckError:
-        raise
-    except USER_EXCEPTIONS as exc:
-        error = subject.backward_error(exc, what)
-        if error is None:
-            raise
-        raise error from exc
+    _backward(subject, subject.whole_loss(twin, batches), what)
     full = {name: to_numpy(p.grad) if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
     scale, scaled_by = window_scale(subject.reduction, subject.steps)
     gap = FullBatchGap(normalisation=subject.reduction, accumulated_scaled_by=scaled_by,
@@ -204,19 +195,23 @@ def replay(subject: Subject, names: list[str], progress: Progress | None) -> Ite
         for index in range(steps):
             for p in params.values():
                 p.grad = None
-            loss = loss_of(index)
-            try:
-                loss.backward()
-            except AccumcheckError:
-                raise
-            except USER_EXCEPTIONS as exc:
-                error = subject.backward_error(exc, index)
-                if error is None:
-                    raise
-                raise error from exc
+            _backward(subject, loss_of(index), index)
             yield {name: _unscaled(params[name], scale) for name in names}
             if progress is not None:
                 progress("second pass: the flagged tensors' micro-gradients", index + 1, steps)
+
+
+def _backward(subject: Subject, loss: Any, where: int | str) -> None:
+    """``loss.backward()``; what the user's hooks raise in it as ``Subject.backward_error`` has it."""
+    try:
+        loss.backward()
+    except AccumcheckError:
+        raise
+    except USER_EXCEPTIONS as exc:
+        error = subject.backward_error(exc, where)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _unscaled(param: Any, scale: float | None) -> np.ndarray:
