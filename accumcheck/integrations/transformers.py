@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..case.definition import Case
@@ -44,18 +45,31 @@ except ModuleNotFoundError as exc:
 FAULTS = ("micro-batch-mean", "loss-over-n")
 
 
-def check(trainer: Any, steps: int | None = None) -> StackReport:
+def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[Any], Any]] | None = None) -> StackReport:
     """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
     for) in float64 and judge each step's gradient against its window's as one batch. Returns a
     StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on.
-    Raises NothingJudgedError where the Trainer ran no optimizer step and fed no micro-batch."""
+    Raises NothingJudgedError where the Trainer ran no optimizer step and fed no micro-batch.
+
+    ``terms`` names additive terms of the model's loss, each a function of the model's outputs
+    returning that term's part of the loss (``{"z-loss": lambda out: 1e-3 * out.z_loss}``); a
+    mixture-of-experts model's router load-balancing loss (``aux_loss`` times the config's
+    ``router_aux_loss_coef``) is found without being named. Where a step is not its window's
+    gradient, it is fitted as the rest of the window's loss plus each term summed over the
+    micro-batches, so that a term added once per micro-batch is named."""
     transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if not isinstance(trainer, transformers.Trainer):
         raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise AccumcheckError(f"transformers.check: steps must be a positive integer, got {steps!r}")
+    if terms is not None and not (isinstance(terms, Mapping) and all(isinstance(k, str) and callable(v)
+                                                                     for k, v in terms.items())):
+        raise AccumcheckError("transformers.check: terms must map each term's name to a function of the model's "
+                              "outputs returning its part of the loss")
     model = trainer.model
-    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch))
+    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}))
+    # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
+    recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)
     callback = _callback(transformers, recorder, steps)
     saved = {name: getattr(trainer, name, None) for name in ("optimizer", "lr_scheduler", "state", "control")}
     schedule = None if trainer.lr_scheduler is None else copy.deepcopy(trainer.lr_scheduler.state_dict())
@@ -153,24 +167,53 @@ def _reports(transformers: Any, callback: Any) -> bool:
         type(callback).__module__.startswith("transformers.integrations")
 
 
-def _window_loss(trainer: Any, model: Any, batch: Any) -> Any:
-    """The Trainer's own loss of the window as one batch: its ``compute_loss`` with no
-    ``num_items_in_batch``, so the loss normalises over the window itself, and with
-    ``gradient_accumulation_steps`` 1 while it runs (one batch is a window of one), so a
-    ``compute_loss`` that divides by it is caught dividing the real windows."""
+def _window_loss(trainer: Any, model: Any, batch: Any, named: Mapping[str, Callable[[Any], Any]]) -> Any:
+    """The Trainer's own loss of the window as one batch, with the loss's additive terms: its
+    ``compute_loss`` with no ``num_items_in_batch``, so the loss normalises over the window
+    itself, and with ``gradient_accumulation_steps`` 1 while it runs (one batch is a window of
+    one), so a ``compute_loss`` that divides by it is caught dividing the real windows."""
     inputs = trainer._prepare_inputs(batch)
     saved = trainer.args.gradient_accumulation_steps, trainer.__dict__.get("current_gradient_accumulation_steps")
     trainer.args.gradient_accumulation_steps = 1
     if saved[1] is not None:
         trainer.current_gradient_accumulation_steps = 1
+    parameters = inspect.signature(trainer.compute_loss).parameters
+    kwargs = {"num_items_in_batch": None} if "num_items_in_batch" in parameters else {}
     try:
-        if "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters:
-            return trainer.compute_loss(model, inputs, num_items_in_batch=None)
-        return trainer.compute_loss(model, inputs)
+        if "return_outputs" not in parameters:
+            return trainer.compute_loss(model, inputs, **kwargs)
+        found = trainer.compute_loss(model, inputs, return_outputs=True, **kwargs)
     finally:
         trainer.args.gradient_accumulation_steps = saved[0]
         if saved[1] is not None:
             trainer.current_gradient_accumulation_steps = saved[1]
+    loss, outputs = found if isinstance(found, tuple) and len(found) == 2 else (found, None)
+    return loss, loss_terms(model, outputs, named)
+
+
+def loss_terms(model: Any, outputs: Any, named: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """The additive terms of a Hugging Face model's loss in ``outputs``: a router load-balancing
+    loss (``aux_loss`` x ``config.router_aux_loss_coef``, which Mixtral-style models add to the
+    loss) and the ones the user named."""
+    terms = {}
+    aux = _output(outputs, "aux_loss")
+    coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    if aux is not None and isinstance(coefficient, (int, float)) and coefficient:
+        terms[f"router load-balancing loss (aux_loss x {coefficient:g})"] = coefficient * aux
+    for name, term in named.items():
+        try:
+            terms[name] = term(outputs)
+        except USER_EXCEPTIONS as exc:
+            raise UserCodeError(f"transformers.check: the term {name!r} raised {type(exc).__name__}: "
+                                f"{first_line(exc)}; it gets the model's outputs and returns its part of the loss") from exc
+    return terms
+
+
+def _output(outputs: Any, key: str) -> Any:
+    """``outputs[key]`` of a model's output (a ModelOutput, a mapping), None where absent."""
+    if isinstance(outputs, Mapping):
+        return outputs.get(key)
+    return getattr(outputs, key, None)
 
 
 def _recording(training_step: Any, recorder: StackRecorder) -> Any:

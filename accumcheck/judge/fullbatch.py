@@ -10,15 +10,17 @@ when it is one of the run's own numbers (N, the world size, the item counts).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..report import FullBatchResult
+from ..report import FullBatchResult, TermFit
 from ..report.single import factor_text
-from ..run.results import FullBatchGap
+from ..run.results import FullBatchGap, Hypotheses
+from .hypotheses import micro_sum_fit, term_fits
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.
@@ -29,6 +31,13 @@ SEMANTIC_TOLERANCE = 1e-9
 # differences, 1e-3 at the least for counts in the hundreds. 1e-6 sits orders of magnitude from
 # both, and also decides whether c equals a candidate such as 1/N.
 FACTOR_TOLERANCE = 1e-6
+# A tensor whose gradient is round-off against the largest carries no factor: BERT's attention key
+# bias has a gradient that is zero in exact arithmetic (softmax ignores a constant per query) and
+# about 1e-21 of the largest element in float64, so its <A,F>/<F,F> is noise. A factor is known to
+# FACTOR_TOLERANCE only where the tensor stands above float64's evaluation noise (1e-13 of the
+# scale after long sums) by that much: 1e-13 / 1e-6. Below it, in A and in F, a tensor is left out
+# of the factor, its spread and the residual, and named.
+SIGNAL_FLOOR = 1e-7
 
 
 @dataclass
@@ -43,6 +52,7 @@ class FactorFit:
     furthest_residual: float | None = None
     accumulated_zero: bool = False
     finite: bool = True
+    silent: list[str] = field(default_factory=list)  # round-off in A and F: left out of the fit
 
     @property
     def constant(self) -> bool:
@@ -63,9 +73,10 @@ class Candidate:
 def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
                        micro_batches: int | None = None) -> FullBatchResult:
     """Whether ``gap``'s accumulated gradient is the full batch's (within SEMANTIC_TOLERANCE of its
-    largest element), and, where not, the factor between them and what it matches.
-    ``micro_batches`` is how many micro-batches the window held, where that may be fewer than
-    ``accum_steps`` (a training stack's last window)."""
+    largest element), and, where not, the factor between them and what it matches, or what else
+    explains it (``gap.hypotheses``: the loss's additive terms, each micro-batch's own loss, the
+    modules that compute over the batch). ``micro_batches`` is how many micro-batches the window
+    held, where that may be fewer than ``accum_steps`` (a training stack's last window)."""
     difference, worst = largest_difference(gap.accumulated, gap.full)
     fit = fit_factor(gap.accumulated, gap.full)
     # A = F on every tensor within FACTOR_TOLERANCE, not within SEMANTIC_TOLERANCE: parts of the
@@ -78,15 +89,130 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     match = matching(fit.factor, candidates) if constant else None
     figures = run_figures(accum_steps, world_size, gap.item_counts)
     factors = list(fit.tensor_factors.values())
-    return FullBatchResult(
+    h = gap.hypotheses
+    window = micro_batches or accum_steps
+    terms = None if equivalent else term_fits(gap.accumulated, h, window, fit.silent)
+    micro = None if equivalent or terms is not None else micro_sum_fit(gap.accumulated, h, fit.silent)
+    rest = None if equivalent or h.rest is None else full_batch_verdict(h.rest, accum_steps, world_size,
+                                                                         micro_batches)
+    batch_level = terms is not None and _only_batch_level(*terms)
+    result = FullBatchResult(
         normalisation=gap.normalisation, accumulated_scaled_by=gap.accumulated_scaled_by,
         max_relative_difference=difference, worst_tensor=worst, equivalent=equivalent, tolerance=SEMANTIC_TOLERANCE,
         factor=fit.factor, tensor_factors=fit.tensor_factors, factor_min=min(factors, default=None),
         factor_max=max(factors, default=None), factor_worst_tensor=fit.furthest, spread=_finite(fit.spread),
         residual=_finite(fit.residual), worst_tensor_residual=fit.furthest_residual,
         factor_tolerance=FACTOR_TOLERANCE, constant=constant, matches=None if match is None else match.name,
-        item_counts=None if gap.item_counts is None else list(gap.item_counts),
-        explanation=explain(equivalent, fit, match, candidates, gap.item_counts, figures, difference))
+        item_counts=None if gap.item_counts is None else list(gap.item_counts), silent_tensors=fit.silent,
+        by_design=[] if equivalent else list(h.by_design), rest=rest,
+        terms=[] if terms is None else terms[1], main_factor=None if terms is None else terms[0],
+        terms_residual=None if terms is None else _finite(terms[2]),
+        micro_sum_factor=None if micro is None else micro.factors[0],
+        micro_sum_residual=None if micro is None else _finite(micro.residual), batch_level=batch_level)
+    if match is not None and h.takes_item_count and match.name in ("N", "k"):
+        match = _ignored_item_count(match)
+    result.explanation = explain(equivalent, fit, match, candidates, gap.item_counts, figures, difference)
+    if not equivalent and fit.finite and fit.factor is not None:
+        result.explanation = _explained_otherwise(result, h, window, accum_steps, candidates) or result.explanation
+    return result
+
+
+def _only_batch_level(main: float, terms: list[TermFit], residual: float) -> bool:
+    """A is the window's gradient but for terms computed over the batch, each the mean of its
+    micro-batches' (all accumulation can do): the rest's factor 1, each term's 1/k, nothing left."""
+    return (residual <= FACTOR_TOLERANCE and abs(main - 1.0) <= FACTOR_TOLERANCE
+            and all(abs(t.factor * t.micro_batches - 1.0) <= FACTOR_TOLERANCE for t in terms)
+            and any(t.batch_level for t in terms))
+
+
+def _ignored_item_count(match: Candidate) -> Candidate:
+    """N (k on a short window) where the model takes the window's item count: the stack skipped
+    its 1/N for the model to normalise, and the model's loss did not."""
+    return dataclasses.replace(match, reason=IGNORED_ITEM_COUNT)
+
+
+IGNORED_ITEM_COUNT = ("the model accepts num_items_in_batch, so the Trainer does not divide by N, but its loss "
+                      "ignores it and averages each micro-batch on its own (transformers#47688); pass "
+                      "num_items_in_batch to the loss, or set model_accepts_loss_kwargs = False on the Trainer")
+
+
+def _explained_otherwise(result: FullBatchResult, h: Hypotheses, window: int, accum_steps: int,
+                         candidates: list[Candidate]) -> str | None:
+    """The sentence of what else explains A where F alone does not, or None."""
+    if result.terms:
+        return terms_sentence(result, window, candidates)
+    if result.by_design:
+        return by_design_sentence(result)
+    if result.constant:
+        return None
+    if result.micro_sum_factor is not None and result.micro_sum_residual is not None \
+            and result.micro_sum_residual <= FACTOR_TOLERANCE:
+        return micro_sum_sentence(result.micro_sum_factor, h.takes_item_count, window, accum_steps)
+    return None
+
+
+def terms_sentence(result: FullBatchResult, window: int, candidates: list[Candidate]) -> str:
+    """A as the rest of the window's loss and the loss's additive terms, each named; the rest's
+    factor matched against the run's numbers as a constant factor of the whole would be."""
+    if result.terms_residual is None or result.terms_residual > FACTOR_TOLERANCE:
+        factors = ", ".join(f"{t.name} {factor_text(t.factor)}" for t in result.terms)
+        return (f"not the window's gradient, nor its rest of the loss plus its terms summed over the micro-batches "
+                f"(factors: rest {factor_text(result.main_factor)}, {factors}; residual "
+                f"{brief(result.terms_residual)}): the micro-batches are weighted unlike one batch")
+    main = result.main_factor
+    if abs(main - 1.0) <= FACTOR_TOLERANCE:
+        rest = "the rest of the loss is the window's"
+    else:
+        match = matching(main, candidates)
+        rest = f"the rest of the loss is {factor_text(main)} x the window's" + (
+            f" (matches {match.name}, {match.where}: {match.reason})" if match else "")
+    parts = [rest]
+    for t in result.terms:
+        share = t.factor * window
+        if abs(share - 1.0) <= FACTOR_TOLERANCE:
+            said = f"the {t.name} is the mean of the {window} micro-batches' (as accumulation should)"
+        elif abs(share - window) <= FACTOR_TOLERANCE * window:
+            said = (f"the {t.name} is added once per micro-batch, not divided by the {window} micro-batches "
+                    f"({window}x its share)")
+        else:
+            said = f"the {t.name} is {factor_text(share)} x the mean of the {window} micro-batches'"
+        if t.batch_level:
+            said += (f"; it is computed over the batch by design (one batch's differs from the micro-batches' mean "
+                     f"by {brief(t.batch_gap)}), so no accumulation equals one batch there")
+        parts.append(said)
+    head = "the window's gradient but for batch-level terms" if result.batch_level else "not the window's gradient"
+    return f"{head}: " + "; ".join(parts)
+
+
+def by_design_sentence(result: FullBatchResult) -> str:
+    """A window differs from one batch because modules compute over the batch: which, and what A
+    is with them in eval mode, where that was run."""
+    modules = ", ".join(result.by_design[:3]) + (f" and {len(result.by_design) - 3} more" if len(result.by_design) > 3
+                                                 else "")
+    head = (f"by design: {modules} normalise{'s' * (len(result.by_design) == 1)} each micro-batch by its own "
+            "statistics, so a window differs from one batch whatever the accumulation")
+    if result.rest is None:
+        return (f"{head}; the loss normalisation cannot be judged against one batch here: put "
+                f"{'it' if len(result.by_design) == 1 else 'them'} in eval mode for the check to judge the rest")
+    if result.rest.equivalent:
+        return f"{head}; with {'it' if len(result.by_design) == 1 else 'them'} in eval mode, equivalent: the rest is faithful"
+    return f"{head}; with {'it' if len(result.by_design) == 1 else 'them'} in eval mode, still not: {result.rest.explanation}"
+
+
+def micro_sum_sentence(factor: float, takes_item_count: bool | None, window: int, accum_steps: int) -> str:
+    """A is c x the sum of each micro-batch's own loss's gradient."""
+    head = f"each micro-batch's own mean loss, summed over the window x {factor_text(factor)}"
+    if abs(factor - 1.0) <= FACTOR_TOLERANCE:
+        if takes_item_count:
+            return f"not a constant factor: {head}: {IGNORED_ITEM_COUNT}"
+        return (f"not a constant factor: {head}: the micro-batches' mean losses are summed without dividing by N "
+                "and each is a mean over its own items, not the window's")
+    if abs(factor * window - 1.0) <= FACTOR_TOLERANCE or abs(factor * accum_steps - 1.0) <= FACTOR_TOLERANCE:
+        why = ("the model does not accept num_items_in_batch, so the Trainer can only divide each micro-batch's mean "
+               "loss by N: " if takes_item_count is False else "each micro-batch's mean loss is divided by N: ")
+        return (f"not a constant factor: {head}: {why}micro-batches with different numbers of items are weighted "
+                "alike (transformers#34191); normalise by the window's item count")
+    return f"not a constant factor: {head}: the micro-batches are weighted unlike one batch"
 
 
 def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> tuple[float, str]:
@@ -100,17 +226,20 @@ def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.nd
 
 
 def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> FactorFit:
-    """The least-squares factors of A = cF; non-finite gradients have none."""
+    """The least-squares factors of A = cF over the tensors that carry signal (``silent_tensors``
+    are left out); non-finite gradients have none."""
     pairs = {name: (np.asarray(accumulated[name], np.float64).ravel(), np.asarray(f, np.float64).ravel())
              for name, f in full.items()}
     if not all(np.isfinite(a).all() and np.isfinite(f).all() for a, f in pairs.values()):
         return FactorFit(None, finite=False)
+    silent = silent_tensors(accumulated, full)
+    pairs = {name: pair for name, pair in pairs.items() if name not in silent}
     af = {name: float(a @ f) for name, (a, f) in pairs.items()}
     ff = {name: float(f @ f) for name, (_, f) in pairs.items()}
     norms = {name: float(np.linalg.norm(a)) for name, (a, _) in pairs.items()}
     total = math.sqrt(sum(n * n for n in norms.values()))
     if sum(ff.values()) == 0:
-        return FactorFit(None, accumulated_zero=total == 0)
+        return FactorFit(None, accumulated_zero=total == 0, silent=silent)
     c = sum(af.values()) / sum(ff.values())
     factors = {name: af[name] / ff[name] for name in pairs if ff[name] > 0}
     # a tensor with a gradient where the full batch has none is as far from c as can be
@@ -120,7 +249,22 @@ def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) 
     furthest = max(distance, key=distance.get, default="")
     spread = max((abs(x - c) for x in factors.values()), default=0.0) / abs(c) if c else math.inf
     return FactorFit(c, factors, furthest, spread, _ratio(math.sqrt(sum(x * x for x in left.values())), total),
-                     _ratio(left[furthest], norms[furthest]) if furthest else None, total == 0)
+                     _ratio(left[furthest], norms[furthest]) if furthest else None, total == 0, silent=silent)
+
+
+def silent_tensors(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> list[str]:
+    """The tensors whose gradient is round-off against the largest in both A and F (SIGNAL_FLOOR):
+    a tensor zero in exact arithmetic, whose factor would be noise. Not one where A has a gradient
+    and F has none: that is a finding."""
+    def top(grads: dict[str, np.ndarray]) -> dict[str, float]:
+        return {name: float(np.max(np.abs(g), initial=0.0)) for name, g in grads.items()}
+
+    a_top, f_top = top({name: accumulated[name] for name in full}), top(full)
+    a_max, f_max = max(a_top.values(), default=0.0), max(f_top.values(), default=0.0)
+    if f_max == 0:
+        return []
+    return [name for name in full if f_top[name] <= SIGNAL_FLOOR * f_max and a_top[name] <= SIGNAL_FLOOR * a_max
+            and (f_top[name] > 0 or a_top[name] > 0)]
 
 
 def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None,
@@ -209,8 +353,8 @@ def explain(equivalent: bool, fit: FactorFit, match: Candidate | None, candidate
 
 def constant_sentence(fit: FactorFit, match: Candidate | None, candidates: list[Candidate], figures: str) -> str:
     """A = cF on every tensor: c, and what it matches."""
-    head = (f"accumulated = {factor_text(fit.factor)} x full batch on all {len(fit.tensor_factors)} tensors "
-            f"(spread {brief(fit.spread)})")
+    head = (f"accumulated = {factor_text(fit.factor)} x full batch on all {len(fit.tensor_factors)} tensors"
+            f"{silent_text(fit.silent)} (spread {brief(fit.spread)})")
     if match is not None:
         return f"{head}: matches {match.name} ({match.where}): {match.reason}"
     names = ", ".join(c.name for c in candidates)
@@ -226,12 +370,22 @@ def varying_sentence(fit: FactorFit, item_counts: list[int] | None) -> str:
     else:
         where = f"worst {worst}, residual {brief(fit.furthest_residual)}"
     text = (f"not a constant factor: per-tensor factors {factor_text(min(factors))} to "
-            f"{factor_text(max(factors))} ({where}): the micro-batches are weighted unlike the full batch")
+            f"{factor_text(max(factors))}{silent_text(fit.silent)} ({where}): the micro-batches are weighted unlike "
+            "the full batch")
     if item_counts and len(set(item_counts)) == 1:
         return text + f"; every micro-batch holds {item_counts[0]} items, so not by their item counts"
     text += (", as per-micro-batch mean losses over micro-batches with different numbers of items do "
              "(transformers#34191); normalise by the window's item count")
     return text + (f"; items per micro-batch: {min(item_counts)} to {max(item_counts)}" if item_counts else "")
+
+
+def silent_text(silent: list[str]) -> str:
+    """The tensors left out of the factor as round-off, e.g. " with signal (2 more are round-off, no
+    factor: a.bias, b.bias)"; "" for none."""
+    if not silent:
+        return ""
+    names = ", ".join(silent[:3]) + (" ..." if len(silent) > 3 else "")
+    return f" with signal ({len(silent)} more {'is' if len(silent) == 1 else 'are'} round-off, no factor: {names})"
 
 
 def brief(x: float | None) -> str:

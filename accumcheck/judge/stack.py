@@ -57,7 +57,7 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     """The verdict of one optimizer step: its applied gradient A against its window's F."""
     gap = FullBatchGap(normalisation="the window as one batch", accumulated_scaled_by="1",
                        accumulated=window.applied, full=window.window, item_counts=window.item_counts,
-                       predicted_counts=window.predicted_counts)
+                       predicted_counts=window.predicted_counts, hypotheses=window.hypotheses)
     result = full_batch_verdict(gap, accum_steps, micro_batches=len(window.micro_batches))
     result = dataclasses.replace(result, explanation=step_words(result.explanation))
     return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result)

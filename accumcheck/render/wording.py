@@ -105,7 +105,9 @@ def data_parallel_lines(report: Report) -> list[str]:
 def full_batch_line(report: Report) -> str:
     report = shown(report)
     f = report.full_batch
-    verdict = "equivalent" if f.equivalent else "SEMANTIC MISMATCH (the loss normalisation, not round-off)"
+    verdict = "equivalent" if f.equivalent else (
+        "DIFFERENT BY DESIGN (the model computes over the batch), not the accumulation" if f.faithful else
+        "SEMANTIC MISMATCH (the loss normalisation, not round-off)")
     if f.explanation:  # what the accumulated gradient is (reports of earlier versions have no explanation)
         verdict = f.explanation if f.equivalent else f"{verdict}: {f.explanation}"
     return (f"full batch: loss '{f.normalisation}', accumulated sum x {f.accumulated_scaled_by} against one "

@@ -14,6 +14,18 @@ from .values import SCHEMA_VERSION, Serialised
 
 
 @dataclass
+class TermFit:
+    """One additive term of the loss in the accumulated gradient: A = a x (the rest of the window's
+    gradient) + sum of b x (this term's gradient summed over the micro-batches)."""
+
+    name: str  # "router load-balancing loss (aux_loss x 0.02)"
+    factor: float  # b
+    micro_batches: int  # k, the window's micro-batches: b = 1/k is their mean, what accumulation can do
+    batch_level: bool  # one batch's term is not the micro-batches' mean: no accumulation equals it
+    batch_gap: float  # |T(window) - sum of T(micro-batch) / k| / |T(window)|
+
+
+@dataclass
 class FullBatchResult:
     """The accumulated gradient against the whole batch's in one backward pass (float64)."""
 
@@ -38,6 +50,30 @@ class FullBatchResult:
     matches: str | None = None  # what a constant c is ("1/N", "N", ...), None when nothing known
     item_counts: list[int] | None = None  # items per micro-batch, where the run knows them
     explanation: str = ""  # one sentence: what A is
+    silent_tensors: list[str] = field(default_factory=list)  # round-off in A and F: no factor, left out of it
+    # the modules that compute over the batch (BatchNorm in train mode): a window differs from one
+    # batch by design; ``rest`` is A against F with them in eval mode, where that was run
+    by_design: list[str] = field(default_factory=list)
+    rest: FullBatchResult | None = None
+    # the loss's additive terms, where the model has them: A = main_factor x (the window's gradient
+    # of the rest of the loss) + each term's factor x (its gradient summed over the micro-batches)
+    terms: list[TermFit] = field(default_factory=list)
+    main_factor: float | None = None
+    terms_residual: float | None = None  # |A - that combination| / |A|
+    # A against the sum over the micro-batches of each one's own loss's gradient (normalised over
+    # its own items), where the window's F did not explain it
+    micro_sum_factor: float | None = None
+    micro_sum_residual: float | None = None
+    # A is the window's gradient but for terms computed over the batch by design, which
+    # accumulation can only average over the micro-batches: not a fault of the accumulation
+    batch_level: bool = False
+
+    @property
+    def faithful(self) -> bool:
+        """A is the whole batch's gradient, or differs from it only where the model computes over
+        the batch by design (terms the micro-batches can only average; BatchNorm in train mode,
+        with A = F once it is in eval mode)."""
+        return self.equivalent or self.batch_level or (self.rest is not None and self.rest.faithful)
 
     @property
     def headline(self) -> str:
@@ -45,6 +81,10 @@ class FullBatchResult:
         constant factor", or "" for an equivalent result or a report without the factors."""
         if self.equivalent or not self.explanation:
             return ""
+        if self.faithful:
+            return "the window's but for what computes over the batch by design"
+        if self.rest is not None:
+            return f"{self.rest.headline}, with the modules that compute over the batch in eval mode"
         if not self.constant or self.factor is None:
             return "not a constant factor"
         return f"{factor_text(self.factor)} x it on every tensor" + (f" ({self.matches})" if self.matches else "")
@@ -141,7 +181,7 @@ class Report(Serialised):
     @property
     def semantic_mismatch(self) -> bool:
         """The full-batch check ran and the accumulated gradient is not the whole batch's."""
-        return self.full_batch is not None and not self.full_batch.equivalent
+        return self.full_batch is not None and not self.full_batch.faithful
 
     @property
     def suspicious(self) -> list[TensorResult]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .single import FullBatchResult
 from .values import SCHEMA_VERSION, Serialised
 
-STEP_VERDICTS = ("faithful", "constant-factor", "mismatch", "non-finite")
+STEP_VERDICTS = ("faithful", "batch-level", "constant-factor", "mismatch", "non-finite")
 
 
 @dataclass
@@ -22,10 +22,14 @@ class StackStep:
 
     @property
     def verdict(self) -> str:
-        """faithful (A = F within the tolerance), constant-factor (A = cF, c not 1), mismatch
-        (no single factor: the micro-batches are weighted unlike one batch) or non-finite."""
+        """faithful (A = F within the tolerance), batch-level (A = F but for what the model
+        computes over the batch by design, which no accumulation can equal), constant-factor
+        (A = cF, c not 1), mismatch (no single factor: the micro-batches are weighted unlike one
+        batch) or non-finite."""
         if self.result.equivalent:
             return "faithful"
+        if self.result.faithful:
+            return "batch-level"
         if self.result.constant:
             return "constant-factor"
         return "non-finite" if "not finite" in self.result.explanation else "mismatch"
@@ -62,7 +66,7 @@ class StackReport(Serialised):
 
     @property
     def flagged(self) -> list[StackStep]:
-        return [s for s in self.steps if s.verdict != "faithful"]
+        return [s for s in self.steps if s.verdict not in ("faithful", "batch-level")]
 
     @property
     def never_ran(self) -> int:

@@ -67,6 +67,35 @@ def window_scale(normalisation: str, accum_steps: int) -> tuple[float, str]:
 
 
 @dataclass
+class TermGradients:
+    """One additive term of the loss (a router load-balancing loss, a z-loss): its gradient summed
+    over the window's micro-batches, each micro-batch's term on its own, and its gradient on the
+    window as one batch."""
+
+    summed: dict[str, np.ndarray]
+    window: dict[str, np.ndarray]
+
+
+@dataclass
+class Hypotheses:
+    """What the judge may explain an accumulated gradient A by where the window's F does not:
+
+    ``micro_sum``, the gradient of each micro-batch's own loss (normalised over its own items)
+    summed over the window; ``main``, F without ``terms``, the loss's additive terms; whether the
+    model ``takes_item_count`` (accepts ``num_items_in_batch``, so a Hugging Face Trainer skips its
+    1/N); ``by_design``, the modules that compute over the batch (BatchNorm in train mode), so
+    that a window differs from one batch whatever the accumulation; and ``rest``, A and F again
+    with those modules in eval mode."""
+
+    micro_sum: dict[str, np.ndarray] | None = None
+    main: dict[str, np.ndarray] | None = None
+    terms: dict[str, TermGradients] = field(default_factory=dict)
+    takes_item_count: bool | None = None
+    by_design: list[str] = field(default_factory=list)
+    rest: FullBatchGap | None = None
+
+
+@dataclass
 class FullBatchGap:
     """The accumulated gradient and the whole batch's in one backward pass, both in float64, per
     parameter name: the judge (``accumcheck.judge.fullbatch``) says how they differ."""
@@ -77,6 +106,7 @@ class FullBatchGap:
     full: dict[str, np.ndarray]
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
     predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
+    hypotheses: Hypotheses = field(default_factory=Hypotheses)
 
 
 @dataclass
@@ -121,3 +151,4 @@ class StackWindow:
     window: dict[str, np.ndarray]
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
     predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
+    hypotheses: Hypotheses = field(default_factory=Hypotheses)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
+import torch
 
 from ..errors import USER_EXCEPTIONS, AccumcheckError
 from ..run.backend import Progress
 from ..run.faults import Fault
-from ..run.results import FullBatchGap, window_scale
+from ..run.results import FullBatchGap, Hypotheses, window_scale
+from .bydesign import batch_level_modules, batch_statistics_off
 from .casemodel import deterministic, isolated, to_numpy
 from .judging import device_arrays, judged_on_device
 from .passes import accumulate
@@ -163,26 +165,45 @@ def float64_pass(subject: Subject, twin: Any, params: dict[str, Any], full_batch
                  progress: Progress | None) -> Float64Pass:
     """The N micro-steps on the float64 twin (the oracle), and with ``full_batch`` the gradient of
     the N micro-batches as one batch on it: the accumulated gradient scaled as the loop scales it
-    ("mean": divided by N; "sum" and "token_count" as they are) against the whole batch's."""
+    ("mean": divided by N; "sum" and "token_count" as they are) against the whole batch's. Where
+    the twin has modules that compute over the batch (BatchNorm in train mode), a window differs
+    from one batch by design: they are named, and both gradients taken again with them in eval
+    mode, so that the rest is judged."""
     subject.prepare(twin)
     batches = subject.whole_batch() if full_batch else None
-    result = accumulate(params, subject.step_loss(twin), subject.steps, None, progress, "float64 model",
-                        hold_refs=subject.hold_refs, backward_error=_backward_error(subject))
-    accumulated = {name: to_numpy(g) for name, g in result["native"].items()}
-    loss = result["loss"]
-    del result
+    accumulated, loss = _twin_accumulated(subject, twin, params, progress)
     if not full_batch:
         return Float64Pass(accumulated, loss, None)
+    gap = _full_batch_gap(subject, twin, params, batches, accumulated)
+    by_design = batch_level_modules(twin) if isinstance(twin, torch.nn.Module) else []
+    if by_design:
+        with batch_statistics_off(twin) as removed:
+            rest = _full_batch_gap(subject, twin, params, batches,
+                                   _twin_accumulated(subject, twin, params, progress)[0]) if removed else None
+        gap.hypotheses = Hypotheses(by_design=by_design, rest=rest)
+    return Float64Pass(accumulated, loss, gap)
+
+
+def _twin_accumulated(subject: Subject, twin: Any, params: dict[str, Any],
+                      progress: Progress | None) -> tuple[dict[str, np.ndarray], float]:
+    """The twin's N micro-steps: its accumulated gradients and its mean loss."""
+    result = accumulate(params, subject.step_loss(twin), subject.steps, None, progress, "float64 model",
+                        hold_refs=subject.hold_refs, backward_error=_backward_error(subject))
+    return {name: to_numpy(g) for name, g in result["native"].items()}, result["loss"]
+
+
+def _full_batch_gap(subject: Subject, twin: Any, params: dict[str, Any], batches: Any,
+                    accumulated: dict[str, np.ndarray]) -> FullBatchGap:
+    """The twin's gradient of the micro-batches as one batch, beside ``accumulated`` scaled as
+    the loop scales it."""
     for p in params.values():
         p.grad = None
-    what = "the micro-batches joined into one batch"
-    _backward(subject, subject.whole_loss(twin, batches), what)
+    _backward(subject, subject.whole_loss(twin, batches), "the micro-batches joined into one batch")
     full = {name: to_numpy(p.grad) if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
     scale, scaled_by = window_scale(subject.reduction, subject.steps)
-    gap = FullBatchGap(normalisation=subject.reduction, accumulated_scaled_by=scaled_by,
-                       accumulated={name: g * scale for name, g in accumulated.items()}, full=full,
-                       item_counts=subject.item_counts())
-    return Float64Pass(accumulated, loss, gap)
+    return FullBatchGap(normalisation=subject.reduction, accumulated_scaled_by=scaled_by,
+                        accumulated={name: g * scale for name, g in accumulated.items()}, full=full,
+                        item_counts=subject.item_counts())
 
 
 def replay(subject: Subject, names: list[str], progress: Progress | None) -> Iterator[dict[str, np.ndarray]]:

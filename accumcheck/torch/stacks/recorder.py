@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from ...errors import AccumcheckError
+from ...judge.fullbatch import SEMANTIC_TOLERANCE, largest_difference
 from ...judge.stack import Coverage
-from ...run.results import StackWindow
+from ...run.results import Hypotheses, StackWindow, TermGradients
 from ...run.usermodel import map_leaves
+from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
 
@@ -154,7 +156,8 @@ class StackRecorder:
     """The micro-batches a stack feeds, and at each optimizer step its window judged-ready: the
     applied gradient and the window's gradient as one batch, both float64.
 
-    ``window_loss(model, batch)`` is the loss of a batch as the stack computes it, applied to
+    ``window_loss(model, batch)`` is the loss of a batch as the stack computes it (or the loss
+    and a mapping of its additive terms by name, each a scalar tensor), applied to
     the window's micro-batches joined (``join_window``, default: concatenated along dim 0,
     sequences right-padded to one length). ``capture()`` is called before clipping and, as a
     fallback, from the optimizer's step pre-hook; a window is captured once. ``stepped()`` counts
@@ -173,6 +176,7 @@ class StackRecorder:
         self.optimizer_steps = 0
         self.unrecorded: list[int] = []
         self._captured = False  # a window captured since the last optimizer step
+        self.takes_item_count: bool | None = None  # the model normalises by the window's items itself
         self._hooks: list[Any] = []
 
     def record(self, batch: Any) -> None:
@@ -210,7 +214,10 @@ class StackRecorder:
 
     def capture(self) -> None:
         """The current window: the gradient in ``.grad`` now, and the window's as one batch (the
-        stack's gradients and buffers are put back before it goes on)."""
+        stack's gradients and buffers are put back before it goes on). Where the loss has
+        additive terms, or the window's gradient is not what was applied, also what else may
+        explain it (``Hypotheses``): each term's gradient on the window and summed over the
+        micro-batches, and the micro-batches' own losses' gradients summed."""
         if not self.pending:
             return
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
@@ -218,16 +225,18 @@ class StackRecorder:
         batches = [b for _, b in self.pending]
         grads = [p.grad for _, p in named]
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        hypotheses = Hypotheses(takes_item_count=self.takes_item_count, by_design=batch_level_modules(self.model))
         try:
-            for _, p in named:
-                p.grad = None
             with torch.enable_grad():
-                loss = self.window_loss(self.model, self.join_window(batches))
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-                    raise AccumcheckError("stack check: the window's loss is not a scalar tensor with a gradient "
-                                          f"(got {type(loss).__name__}); the loss function must return the loss")
-                loss.backward()
-            window = {name: _grad(p) for name, p in named}
+                window, term_windows = self._gradients(named, self.join_window(batches))
+                if term_windows:
+                    hypotheses.main = {name: g - sum(t[name] for t in term_windows.values())
+                                       for name, g in window.items()}
+                if term_windows or largest_difference(applied, window)[0] > SEMANTIC_TOLERANCE:
+                    micro_sum, summed = self._micro_batch_sums(named, batches)
+                    hypotheses.micro_sum = micro_sum
+                    hypotheses.terms = {name: TermGradients(summed[name], term_windows[name])
+                                        for name in term_windows if name in summed}
         finally:
             with torch.no_grad():
                 for (_, p), g in zip(named, grads):
@@ -239,9 +248,47 @@ class StackRecorder:
         self.windows.append(StackWindow(step=len(self.windows), micro_batches=[i for i, _ in self.pending],
                                         applied=applied, window=window,
                                         item_counts=None if None in counts else counts,
-                                        predicted_counts=None if None in predicted else predicted))
+                                        predicted_counts=None if None in predicted else predicted,
+                                        hypotheses=hypotheses))
         self.pending = []
         self._captured = True
+
+    def _gradients(self, named: list[tuple[str, torch.Tensor]], batch: Any) -> tuple[Gradients, dict[str, Gradients]]:
+        """The gradient of the stack's loss of ``batch``, and of each of its additive terms."""
+        found = self.window_loss(self.model, batch)
+        loss, terms = found if isinstance(found, tuple) else (found, {})
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            raise AccumcheckError("stack check: the window's loss is not a scalar tensor with a gradient "
+                                  f"(got {type(loss).__name__}); the loss function must return the loss")
+        terms = {name: t for name, t in terms.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+        gradients = []
+        for part in (loss, *terms.values()):
+            for _, p in named:
+                p.grad = None
+            part.backward(retain_graph=bool(terms))
+            gradients.append({name: _grad(p) for name, p in named})
+        return gradients[0], dict(zip(terms, gradients[1:]))
+
+    def _micro_batch_sums(self, named: list[tuple[str, torch.Tensor]],
+                          batches: list[Any]) -> tuple[Gradients, dict[str, Gradients]]:
+        """Over the window's micro-batches, each as a batch of its own: its loss's gradient summed,
+        and each term's."""
+        total: Gradients = {}
+        terms: dict[str, Gradients] = {}
+        for batch in batches:
+            gradient, term_gradients = self._gradients(named, self.join_window([batch]))
+            _add(total, gradient)
+            for name, g in term_gradients.items():
+                _add(terms.setdefault(name, {}), g)
+        return total, terms
+
+
+Gradients = dict[str, np.ndarray]
+
+
+def _add(total: Gradients, gradient: Gradients) -> None:
+    for name, g in gradient.items():
+        total[name] = total[name] + g if name in total else g.copy()
 
 
 def _grad(p: torch.Tensor) -> np.ndarray:
