@@ -38,11 +38,16 @@ try:
     import transformers  # noqa: F401
 
     from ..torch.stacks.cases import CaseLM, case_examples
-    from ..torch.stacks.recorder import Float64Run, StackRecorder, stack_library
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, join_paired, stack_library
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "transformers, accelerate and PyTorch", "pip install 'accumcheck[transformers]'") from None
 
 FAULTS = ("micro-batch-mean", "loss-over-n")
+# TRL trainers whose micro-batches are preference pairs, the chosen rows then the rejected ones
+PAIRED = frozenset({"DPOTrainer"})
+# TRL trainers that generate completions inside the step: what trains is not the data fed
+GENERATING = frozenset({"GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTrainer", "NashMDTrainer",
+                        "XPOTrainer"})
 
 
 def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[Any], Any]] | None = None) -> StackReport:
@@ -66,8 +71,15 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                                                                      for k, v in terms.items())):
         raise AccumcheckError("transformers.check: terms must map each term's name to a function of the model's "
                               "outputs returning its part of the loss")
+    lineage = {cls.__name__ for cls in type(trainer).__mro__}
+    generating = sorted(lineage & GENERATING)
+    if generating:
+        raise AccumcheckError(f"transformers.check: {type(trainer).__name__} generates its micro-batches inside the "
+                              f"step ({generating[0]}), so a window cannot be replayed as one batch; check the loss "
+                              "on recorded batches with accumcheck.torch.check, or a Trainer that trains on its data")
     model = trainer.model
-    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}))
+    join = join_paired if lineage & PAIRED else None
+    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join)
     # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
     recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)
     callback = _callback(transformers, recorder, steps)
@@ -90,6 +102,11 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
             except USER_EXCEPTIONS as exc:
                 if _raised_here(exc):
                     raise
+                kernel = float64_kernel_error(exc)
+                if kernel is not None:
+                    raise AccumcheckError(f"transformers.check: the check runs the model in float64 and one of its "
+                                          f"operations has no float64 kernel here ({kernel}); give that module a "
+                                          "float64 path (an eager implementation) for the check") from exc
                 raise UserCodeError(f"transformers.check: the Trainer raised {type(exc).__name__}: "
                                     f"{first_line(exc)}; fix the Trainer's model, data or arguments") from exc
             finally:

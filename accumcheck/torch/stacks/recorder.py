@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ...errors import AccumcheckError
+from ...errors import AccumcheckError, first_line
 from ...judge.fullbatch import SEMANTIC_TOLERANCE, largest_difference
 from ...judge.stack import Coverage
 from ...run.results import Hypotheses, StackWindow, TermGradients
@@ -99,10 +100,13 @@ class Float64Run:
                     fresh[p] = {k: _run_copy(v) for k, v in s.items()}
                 o.state = fresh
         self._hook = model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
+        self._experts = _eager_experts(model)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hook.remove()
+        if self._experts is not None:
+            self.model.set_experts_implementation(self._experts)
         for p, data, grad in zip(self._params, self._data, self._grads):
             p.data = data
             p.grad = grad
@@ -138,6 +142,28 @@ class Float64Run:
                     setattr(m, attr, 0.0)
         self.dropouts = len(saved)
         return saved
+
+
+def _eager_experts(model: torch.nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face mixture-of-experts model switched to its eager experts path, whose matmuls
+    run in float64 (the default ``grouped_mm`` kernel has no float64 on the CPU); its
+    implementation as found, to put back, or None where nothing was switched."""
+    get, set_ = getattr(model, "get_experts_implementation", None), getattr(model, "set_experts_implementation", None)
+    if not (callable(get) and callable(set_)):
+        return None
+    found = get()
+    if not isinstance(found, dict) or all(value in (None, "eager") for value in found.values()):
+        return None
+    set_("eager")
+    return found
+
+
+def float64_kernel_error(exc: BaseException) -> str | None:
+    """The message of an error from an operation with no float64 kernel (``got Double``, ``not
+    implemented for 'Double'``), or None for any other error."""
+    text = first_line(exc)
+    return text if isinstance(exc, (RuntimeError, TypeError, NotImplementedError)) and re.search(
+        r"\bDouble\b|float64", text) else None
 
 
 def _run_copy(value: Any) -> Any:
@@ -317,6 +343,26 @@ def join_padded(batches: list[Any]) -> Any:
         batches = [{k: _pad(v, width[k], IGNORE_INDEX if k == "labels" else 0) if k in width else v
                     for k, v in b.items()} for b in batches]
     return join(batches, None)
+
+
+def join_paired(batches: list[Any]) -> Any:
+    """Preference micro-batches (TRL's DPO collator: 2B rows, the B chosen sequences then the B
+    rejected ones, which the loss pairs by halves) as one batch whose halves stay paired: the
+    chosen rows of every micro-batch, then their rejected rows, padded as ``join_padded`` pads;
+    values of one row a pair (precomputed reference log-probabilities) concatenated."""
+    chosen, rejected, per_pair = [], [], []
+    for batch in batches:
+        rows = batch["input_ids"].shape[0]
+        if rows % 2:
+            raise AccumcheckError(f"stack check: a preference micro-batch has {rows} rows, not a chosen and a rejected "
+                                  "sequence per pair")
+        halves = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
+        chosen.append({k: v[:rows // 2] for k, v in halves.items()})
+        rejected.append({k: v[rows // 2:] for k, v in halves.items()})
+        per_pair.append({k: v for k, v in batch.items() if k not in halves})
+    both = join_padded(chosen + rejected)
+    rest = join(per_pair, None) if per_pair[0] else {}
+    return {**rest, **both}
 
 
 def _pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:

@@ -218,3 +218,50 @@ def test_a_term_that_raises_is_the_users_error(tmp_path):
 
     with pytest.raises(UserCodeError, match="the term 'broken' raised KeyError"):
         check(trainer_for(tmp_path, tiny_mixtral(), causal(8)), steps=1, terms={"broken": lambda out: out["nope"]})
+
+
+class Experts(torch.nn.Linear):
+    """A model with transformers 5's experts switch: "grouped_mm" has no float64 kernel."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.implementation = "grouped_mm"
+
+    def get_experts_implementation(self):
+        return {"": self.implementation}
+
+    def set_experts_implementation(self, value):
+        self.implementation = value if isinstance(value, str) else value[""]
+
+
+def test_a_mixture_of_experts_runs_its_eager_experts_in_float64_and_is_put_back():
+    from accumcheck.torch.stacks.recorder import Float64Run
+
+    model = Experts()
+    with Float64Run(model):
+        assert model.implementation == "eager" and model.weight.dtype == torch.float64
+    assert model.implementation == "grouped_mm" and model.weight.dtype == torch.float32
+    model.implementation = "eager"
+    with Float64Run(model):
+        assert model.implementation == "eager"
+    assert model.implementation == "eager"
+
+
+def test_an_operation_without_float64_is_one_line_naming_it():
+    from accumcheck.torch.stacks.recorder import float64_kernel_error
+
+    assert float64_kernel_error(RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"))
+    assert float64_kernel_error(RuntimeError('"addmm_impl_cpu_" not implemented for \'Double\''))
+    assert float64_kernel_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert float64_kernel_error(ValueError("got Double")) is None
+
+
+def test_a_mixtral_on_a_release_with_an_experts_switch_is_checked_and_put_back(tmp_path):
+    """transformers 5: the default grouped_mm experts have no float64 kernel on the CPU; the check
+    runs the eager path and puts the model's choice back (ci/transformers_releases.sh runs this)."""
+    model = tiny_mixtral()
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has one experts path")
+    found = model.get_experts_implementation()
+    report = check(trainer_for(tmp_path, model, causal(8)), steps=1)
+    assert report.steps[0].result.terms and model.get_experts_implementation() == found
