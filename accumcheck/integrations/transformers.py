@@ -196,8 +196,10 @@ def _window_loss(trainer: Any, model: Any, batch: Any, named: Mapping[str, Calla
         trainer.current_gradient_accumulation_steps = 1
     parameters = inspect.signature(trainer.compute_loss).parameters
     kwargs = {"num_items_in_batch": None} if "num_items_in_batch" in parameters else {}
+    # the outputs only where the loss may have terms: TRL's fused heads build the logits again for them
+    wanted = bool(named) or bool(getattr(getattr(model, "config", None), "router_aux_loss_coef", None))
     try:
-        if "return_outputs" not in parameters:
+        if "return_outputs" not in parameters or not wanted:
             return trainer.compute_loss(model, inputs, **kwargs)
         found = trainer.compute_loss(model, inputs, return_outputs=True, **kwargs)
     finally:
