@@ -485,6 +485,20 @@ def trainer_release_figures() -> dict[str, str]:
             f"trainer.{release}.summary": f"`{summary}`"}
 
 
+@group("trainer-models", needs="transformers")
+def trainer_model_figures() -> dict[str, str]:
+    """examples/trainer_models.py's three models under this environment's transformers (4.57.6 in
+    the test environment, the current release in the one ci/transformers_releases.sh builds)."""
+    from importlib.metadata import version
+
+    release = version("transformers")
+    figures = {}
+    for name in ("bert-classification", "bert-masked-lm", "mixtral"):
+        out = example("examples/trainer_models.py", name)
+        figures[f"models.{release}.{name}.summary"] = f"`{summary_of(out)}`"
+    return figures
+
+
 def summary_of(out: str) -> str:
     """A stack report's summary line."""
     return next(line for line in out.splitlines() if line.startswith(("FAITHFUL", "FLAGGED", "DROPPED")))
