@@ -574,7 +574,7 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 
 def unknown_marks() -> list[str]:
-    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer"}
+    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer", "models"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 

@@ -18,7 +18,7 @@ reports=$(mktemp -d)
 python3 -m venv "$old" && "$old/bin/pip" install -q 'torch==2.13.0' 'transformers==4.45.2' 'accelerate==0.34.2' \
     'numpy<2' -e . || { echo "transformers_releases: could not install transformers 4.45.2" >&2; exit 2; }
 python3 -m venv "$new" && "$new/bin/pip" install -q 'torch==2.13.0' 'transformers==5.24.0' 'accelerate==1.15.0' \
-    pytest -e . || { echo "transformers_releases: could not install transformers 5.24.0" >&2; exit 2; }
+    pytest hypothesis -e . || { echo "transformers_releases: could not install transformers 5.24.0" >&2; exit 2; }
 
 "$old/bin/python" examples/trainer_variable_length.py "$reports/old.json" > "$reports/old.txt" 2>&1
 old_rc=$?

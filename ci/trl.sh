@@ -11,7 +11,7 @@ venv=${TRL_VENV:-.venv-trl}
 log=$(mktemp)
 
 python3 -m venv "$venv" && "$venv/bin/pip" install -q 'torch==2.13.0' 'transformers==5.24.0' 'accelerate==1.15.0' \
-    'trl==1.16.0' 'numpy>=1.26' datasets pytest -e . || { echo "trl: could not install trl 1.16.0" >&2; exit 2; }
+    'trl==1.16.0' 'numpy>=1.26' datasets pytest hypothesis -e . || { echo "trl: could not install trl 1.16.0" >&2; exit 2; }
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::FutureWarning tests/frameworks/torch/test_trl_stack.py \
     > "$log" 2>&1
 rc=$?

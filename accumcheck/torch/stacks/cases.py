@@ -20,8 +20,8 @@ class CaseLM(torch.nn.Module):
     """The case's network with a token-level cross-entropy over the labelled positions, divided
     by ``num_items_in_batch`` (the window's labelled tokens) where the stack passes it, else by the
     micro-batch's own count. ``fault`` breaks it on purpose: "micro-batch-mean" ignores the
-    window's count (every micro-batch's own mean, transformers#34191), "loss-over-n" divides the
-    loss by N once more."""
+    window's count while still taking it (every micro-batch's own mean, which a Trainer no longer
+    divides by N: transformers#47688), "loss-over-n" divides the loss by N once more."""
 
     accepts_loss_kwargs = True  # tells Hugging Face's Trainer to pass num_items_in_batch
     def __init__(self, case: Case, accum_steps: int, fault: str | None = None) -> None:
