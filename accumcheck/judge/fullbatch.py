@@ -147,7 +147,9 @@ def _explained_otherwise(result: FullBatchResult, h: Hypotheses, window: int, ac
         return None
     if result.micro_sum_factor is not None and result.micro_sum_residual is not None \
             and result.micro_sum_residual <= FACTOR_TOLERANCE:
-        return micro_sum_sentence(result.micro_sum_factor, h.takes_item_count, window, accum_steps)
+        return micro_sum_sentence(result.micro_sum_factor, h.takes_item_count, window, accum_steps) + (
+            f"; items per micro-batch: {min(result.item_counts)} to {max(result.item_counts)}"
+            if result.item_counts and len(set(result.item_counts)) > 1 else "")
     return None
 
 

@@ -437,9 +437,16 @@ def stack_rows(report: StackReport) -> list[list[str]]:
         items = "-" if not r.item_counts else "/".join(map(str, r.item_counts))
         factor = "-" if r.equivalent or r.factor is None else (
             f"{factor_text(r.factor)}" + (f" ({r.matches})" if r.matches else "") if r.constant else
+            _term_factors(r) if r.terms and r.main_factor is not None else
             f"{factor_text(r.factor_min)}..{factor_text(r.factor_max)}")
         rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), _cause(r)])
     return rows
+
+
+def _term_factors(result: FullBatchResult) -> str:
+    """A step fitted as the rest of the loss and its terms: "1.00 + 0.250" (the rest's factor, then
+    each term's over its micro-batches' sum)."""
+    return " + ".join(factor_text(x) for x in [result.main_factor, *(t.factor for t in result.terms)])
 
 
 def _cause(result: FullBatchResult) -> str:
@@ -447,4 +454,6 @@ def _cause(result: FullBatchResult) -> str:
     what (figures): cause" and "not a constant factor: factors (worst): cause, as ...; ..."."""
     if result.equivalent:
         return "the window's gradient"
+    if result.terms:  # "head: the rest ...; the term ...": every part
+        return result.explanation.split(": ", 1)[-1]
     return result.explanation.split(": ", 2)[-1].split(";")[0].split(", as ")[0]

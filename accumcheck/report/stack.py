@@ -98,6 +98,12 @@ class StackReport(Serialised):
         if not self.flagged:
             if dropped:
                 return f"DROPPED BATCHES: {dropped}; every step that ran applied its window's gradient ({self.counts_text()})"
+            batch_level = [s for s in self.steps if s.verdict == "batch-level"]
+            if batch_level:
+                return (f"FAITHFUL: every optimizer step applied the gradient of its window as one batch, "
+                        f"{len(batch_level)} of them but for what the model computes over the batch by design, "
+                        f"which they apply as its micro-batches' mean ({self.counts_text()}); step "
+                        f"{batch_level[0].step}: {batch_level[0].result.explanation}")
             return (f"FAITHFUL: every optimizer step applied the gradient of its window as one batch "
                     f"({self.counts_text()})")
         first = self.flagged[0]
