@@ -106,3 +106,35 @@ def test_without_a_float64_kernel_the_oracle_is_pytorch_s_and_the_report_says_so
     # The same float64 model in the other framework: the oracle's errors agree far below float32's.
     for a, b in zip(on_mxnet.tensors, on_torch.tensors):
         assert b.oracle_err_native == pytest.approx(a.oracle_err_native, rel=1e-3)
+
+
+def batch_norm_net():
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(8, in_units=6), mx.gluon.nn.BatchNorm(in_channels=8), mx.gluon.nn.Activation("relu"),
+            mx.gluon.nn.Dense(3, in_units=8))
+    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
+    return net
+
+
+def batch_norm_batches():
+    rng = __import__("numpy").random.default_rng(4)
+    return [(mx.nd.array(rng.standard_normal((4, 6))), mx.nd.array(rng.integers(0, 3, 4))) for _ in range(4)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_batch_norm_in_train_mode_is_named_and_the_rest_judged_on_running_statistics(reduction):
+    """Train mode: each micro-batch normalised by its own statistics, the window by its own: the
+    BatchNorm is named and, on its running statistics, the rest is equivalent (a mean loss divided
+    by N: faithful, exit 0) or N x the window's (the loop said "sum": flagged, exit 1)."""
+    loss = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    report = accumcheck.mxnet.check(batch_norm_net(), lambda out, y: loss(out, y).mean(), batch_norm_batches(), 4,
+                                    full_batch=True, train_mode=True, loss_reduction=reduction)
+    f = report.full_batch
+    assert not f.equivalent and len(f.by_design) == 1 and f.by_design[0].startswith("BatchNorm '")
+    assert f.rest is not None and f.rest.equivalent == (reduction == "mean")
+    assert report.exit_code == (0 if reduction == "mean" else 1) and f.faithful == (reduction == "mean")
+    if reduction == "sum":
+        assert f.rest.matches == "N" and "still not" in f.explanation
+    eval_mode = accumcheck.mxnet.check(batch_norm_net(), lambda out, y: loss(out, y).mean(), batch_norm_batches(), 4,
+                                       full_batch=True, loss_reduction="mean")
+    assert eval_mode.full_batch.equivalent and eval_mode.full_batch.by_design == []

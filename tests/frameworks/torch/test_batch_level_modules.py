@@ -67,3 +67,37 @@ def test_the_modules_found_and_their_modes_put_back():
         assert not removed and batch_level_modules(model) == ["BatchNorm1d '6'"]
     assert model[1].training and model[6].training
     assert batch_level_modules(model.eval()) == ["BatchNorm1d '6'"]
+
+
+class Classifier(torch.nn.Module):
+    """The CNN as a Trainer meets a model: pixel values and labels in, a dict with the loss out."""
+
+    def __init__(self, batch_norm: bool):
+        super().__init__()
+        self.net = cnn()
+        if not batch_norm:  # the same network with its BatchNorm layers as identities
+            self.net[1], self.net[6] = torch.nn.Identity(), torch.nn.Identity()
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.net(pixel_values)
+        return {"loss": cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("batch_norm", [True, False])
+def test_a_stack_step_that_differs_under_batch_norm_names_it_not_the_normalisation(tmp_path, batch_norm):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from accumcheck.integrations.transformers import check
+
+    examples = [{"pixel_values": x[i], "labels": y[i]} for x, y in batches() for i in range(len(y))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                          gradient_accumulation_steps=N, report_to="none", save_strategy="no",
+                                          logging_strategy="no", use_cpu=True, disable_tqdm=True, num_train_epochs=1)
+    report = check(transformers.Trainer(model=Classifier(batch_norm), args=args, train_dataset=examples))
+    (step,) = report.steps
+    if batch_norm:  # each micro-batch normalised by its own statistics: not judged, and said why
+        assert step.verdict == "mismatch" and step.result.by_design == ["BatchNorm2d 'net.1'", "BatchNorm1d 'net.6'"]
+        assert "by design" in step.result.explanation and "eval mode" in step.result.explanation
+        assert "weighted unlike" not in step.result.explanation
+    else:  # positive control: without BatchNorm the same Trainer is faithful
+        assert step.verdict == "faithful" and step.result.by_design == []
