@@ -7,8 +7,8 @@ import re
 
 from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport
 from .names import shown
+from .stackwords import STACK_COLUMNS, stack_header_lines, stack_rows
 from .wording import (
-    STACK_COLUMNS,
     cause_words,
     cross_summary,
     describe,
@@ -20,8 +20,6 @@ from .wording import (
     noteworthy,
     num,
     shape_text,
-    stack_header_lines,
-    stack_rows,
     summary_line,
     sweep_summary,
     tensor_details,

@@ -15,8 +15,8 @@ from ..report import CrossReport, Report, ReportDiff, StackReport, SweepReport, 
 from .fit import Col, Layout, command_lines, fitted
 from .legend import legend
 from .names import printable, shown
+from .stackwords import STACK_COLUMNS, stack_header_lines, stack_rows
 from .wording import (
-    STACK_COLUMNS,
     cause_words,
     cross_summary,
     describe,
@@ -28,8 +28,6 @@ from .wording import (
     noteworthy,
     num,
     shape_text,
-    stack_header_lines,
-    stack_rows,
     summary_line,
     sweep_summary,
     tensor_details,
