@@ -120,22 +120,34 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
         if schedule is not None:  # a scheduler the user gave the Trainer counted the run's steps
             trainer.lr_scheduler.load_state_dict(schedule)
     args = trainer.args
+    world = recorder.world
     expected = None
     if steps is None and args.max_steps <= 0:  # the whole configured run: every batch of every epoch
-        expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs)
+        expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs) * world.size
     notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
              f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
              f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference; the windows' "
              "micro-batches as the Trainer's sampler fed them",
              f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
              "optimizer, scheduler, Trainer state and random states were put back after it"]
+    if world.parallel:
+        notes.append(data_parallel_note(world, getattr(args, "average_tokens_across_devices", None)))
     coverage = recorder.coverage("transformers.check", "the Trainer's training_step",
                                  "let the Trainer's own loop feed its micro-batches (a training loop of your own: "
                                  "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
-                        recorder.seen, {"transformers": transformers.__version__, **_versions()}, notes,
+                        recorder.seen_everywhere, {"transformers": transformers.__version__, **_versions()}, notes,
                         reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
-                        micro_batches_expected=expected, coverage=coverage)
+                        micro_batches_expected=expected, coverage=coverage, world_size=world.size)
+
+
+def data_parallel_note(world: Any, average_tokens: bool | None) -> str:
+    """What a data-parallel Trainer's windows are, for the report's notes."""
+    counted = "" if average_tokens is None else (
+        f"; average_tokens_across_devices = {average_tokens} (num_items_in_batch counted over "
+        f"{'every rank' if average_tokens else 'each rank alone'})")
+    return (f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's micro-batches "
+            f"of it, gathered, rank r's i-th micro-batch numbered i x {world.size} + r{counted}")
 
 
 def _idle_fix(args: Any) -> str:

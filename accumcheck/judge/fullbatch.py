@@ -20,7 +20,7 @@ import numpy as np
 from ..report import FullBatchResult, TermFit
 from ..report.single import factor_text
 from ..run.results import FullBatchGap, Hypotheses
-from .hypotheses import micro_sum_fit, term_fits
+from .hypotheses import micro_sum_fit, rank_fit, term_fits
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.
@@ -76,7 +76,8 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     largest element), and, where not, the factor between them and what it matches, or what else
     explains it (``gap.hypotheses``: the loss's additive terms, each micro-batch's own loss, the
     modules that compute over the batch). ``micro_batches`` is how many micro-batches the window
-    held, where that may be fewer than ``accum_steps`` (a training stack's last window)."""
+    held, where that may be fewer than ``accum_steps`` (a training stack's last window); in a
+    data-parallel run of ``world_size`` ranks, per rank."""
     difference, worst = largest_difference(gap.accumulated, gap.full)
     fit = fit_factor(gap.accumulated, gap.full)
     # A = F on every tensor within FACTOR_TOLERANCE, not within SEMANTIC_TOLERANCE: parts of the
@@ -90,9 +91,10 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     figures = run_figures(accum_steps, world_size, gap.item_counts)
     factors = list(fit.tensor_factors.values())
     h = gap.hypotheses
-    window = micro_batches or accum_steps
+    window = (micro_batches or accum_steps) * world_size  # the micro-batches of every rank
     terms = None if equivalent else term_fits(gap.accumulated, h, window, fit.silent)
     micro = None if equivalent or terms is not None else micro_sum_fit(gap.accumulated, h, fit.silent)
+    ranks = None if equivalent or terms is not None else rank_fit(gap.accumulated, h, fit.silent)
     rest = None if equivalent or h.rest is None else full_batch_verdict(h.rest, accum_steps, world_size,
                                                                          micro_batches)
     batch_level = terms is not None and _only_batch_level(*terms)
@@ -108,7 +110,9 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
         terms=[] if terms is None else terms[1], main_factor=None if terms is None else terms[0],
         terms_residual=None if terms is None else _finite(terms[2]),
         micro_sum_factor=None if micro is None else micro.factors[0],
-        micro_sum_residual=None if micro is None else _finite(micro.residual), batch_level=batch_level)
+        micro_sum_residual=None if micro is None else _finite(micro.residual), batch_level=batch_level,
+        rank_factors=None if ranks is None else ranks.factors,
+        rank_residual=None if ranks is None else _finite(ranks.residual), rank_items=h.rank_items)
     if match is not None and h.takes_item_count and match.name in ("N", "k"):
         match = _ignored_item_count(match)
     result.explanation = explain(equivalent, fit, match, candidates, gap.item_counts, figures, difference)
@@ -145,6 +149,9 @@ def _explained_otherwise(result: FullBatchResult, h: Hypotheses, window: int, ac
         return by_design_sentence(result)
     if result.constant:
         return None
+    if result.rank_factors is not None and result.rank_residual is not None \
+            and result.rank_residual <= FACTOR_TOLERANCE:
+        return rank_sentence(result.rank_factors, h.rank_items, h.rank_predicted)
     if result.micro_sum_factor is not None and result.micro_sum_residual is not None \
             and result.micro_sum_residual <= FACTOR_TOLERANCE:
         return micro_sum_sentence(result.micro_sum_factor, h.takes_item_count, window, accum_steps) + (
@@ -178,6 +185,11 @@ def terms_sentence(result: FullBatchResult, window: int, candidates: list[Candid
                     f"({window}x its share)")
         else:
             said = f"the {t.name} is {factor_text(share)} x the mean of the {window} micro-batches'"
+            match = next((c for c in candidates if c.name == "W" and abs(share - c.value) <= FACTOR_TOLERANCE * c.value),
+                         None)
+            if match is not None:
+                said += (f": multiplied by the world size ({match.where}), which only the loss normalised over the "
+                         "global window's items should be (transformers#48690)")
         if t.batch_level:
             said += (f"; it is computed over the batch by design (one batch's differs from the micro-batches' mean "
                      f"by {brief(t.batch_gap)}), so no accumulation equals one batch there")
@@ -199,6 +211,29 @@ def by_design_sentence(result: FullBatchResult) -> str:
     if result.rest.equivalent:
         return f"{head}; with {'it' if len(result.by_design) == 1 else 'them'} in eval mode, equivalent: the rest is faithful"
     return f"{head}; with {'it' if len(result.by_design) == 1 else 'them'} in eval mode, still not: {result.rest.explanation}"
+
+
+def rank_sentence(factors: list[float], rank_items: list[int] | None, rank_predicted: list[int] | None) -> str:
+    """A is a weighted sum of each rank's micro-batches as a batch of their own: which weights, and
+    what they mean against the ranks' shares of the window's items."""
+    size = len(factors)
+    weights = ", ".join(f"{factor_text(c)}" for c in factors)
+    head = f"each rank's micro-batches weighted as a batch of their own (rank weights {weights})"
+    if not rank_items or not sum(rank_items) or min(rank_items) <= 0:
+        return f"not a constant factor: {head}: the ranks' micro-batches are weighted unlike one batch"
+    total = sum(rank_items)
+    shares = ", ".join(f"rank {r}: {n} ({n / total:.3f})" for r, n in enumerate(rank_items))
+    said = (f"not a constant factor: {head}: each rank normalised its loss over its own items, not the global "
+            f"window's, so micro-batches are weighted by their rank's item count (num_items_in_batch counted per rank, "
+            f"transformers#34242); one batch weights each rank by its share of the {total} items ({shares}); count "
+            "the items over every rank (the Trainer's average_tokens_across_devices=True)")
+    if all(abs(c * size - 1.0) <= FACTOR_TOLERANCE for c in factors):
+        return said
+    if rank_predicted and all(abs(c * size - p / n) <= FACTOR_TOLERANCE for c, p, n in
+                              zip(factors, rank_predicted, rank_items)):
+        return said + ("; and each rank's loss is divided by its labelled tokens counted before the causal shift "
+                       "(transformers#46204)")
+    return f"not a constant factor: {head}: the ranks' micro-batches are weighted unlike one batch ({shares} items)"
 
 
 def micro_sum_sentence(factor: float, takes_item_count: bool | None, window: int, accum_steps: int) -> str:

@@ -90,3 +90,11 @@ def _distance(a: Gradients, b: Gradients) -> float:
     top = math.sqrt(sum(float(np.sum(np.square(g))) for g in a.values()))
     gap = math.sqrt(sum(float(np.sum(np.square(g - b[name]))) for name, g in a.items()))
     return gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
+
+
+def rank_fit(applied: Gradients, hypotheses: Hypotheses, leave_out: list[str]) -> Combination | None:
+    """A = sum over the ranks of c_r x (rank r's micro-batches as a batch of their own), or None
+    where not computed (one process, or A was the window's gradient)."""
+    if not hypotheses.rank_windows:
+        return None
+    return combination(applied, hypotheses.rank_windows, leave_out)

@@ -14,12 +14,23 @@ micro-batch (``Coverage.unrecorded``) never exits 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..bounds import UNIT_ROUNDOFF, gamma
 from ..errors import AccumcheckError, NothingJudgedError
 from ..report import StackReport, StackStep
-from ..run.results import FullBatchGap, StackWindow
+from ..report.stack import StepPrecisionFit
+from ..run.results import FullBatchGap, StackWindow, StepPrecision
 from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
+
+# The micro-batches' own gradients, computed in a dtype of unit round-off u, are allowed
+# COMPUTE_ROUNDINGS x u of ||S|| each: a gradient is a few chained matmuls and reductions, each
+# rounding once per output element (measured: float32 Linear/Embedding/cross-entropy stacks land
+# at 1e-7 of ||S||, under 2 u).
+COMPUTE_ROUNDINGS = 8
 
 # The full-batch judge's sentences call A "accumulated" and F "full batch"; a stack's step applied A,
 # and F is its window as one batch.
@@ -54,19 +65,86 @@ def step_words(sentence: str) -> str:
 
 
 def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
-    """The verdict of one optimizer step: its applied gradient A against its window's F."""
+    """The verdict of one optimizer step: its applied gradient A against its window's F (in a
+    data-parallel run, F of every rank's micro-batches of the step); below float64, also A's
+    distance from F against the round-off of the stack's dtypes (``precision_fit``)."""
+    world = window.world_size
+    h = window.hypotheses
+    if world > 1 and window.item_counts is not None and h.rank_items is None:
+        h = dataclasses.replace(h, rank_items=_per_rank(window.micro_batches, window.item_counts, world),
+                                rank_predicted=None if window.predicted_counts is None else
+                                _per_rank(window.micro_batches, window.predicted_counts, world))
     gap = FullBatchGap(normalisation="the window as one batch", accumulated_scaled_by="1",
                        accumulated=window.applied, full=window.window, item_counts=window.item_counts,
-                       predicted_counts=window.predicted_counts, hypotheses=window.hypotheses)
-    result = full_batch_verdict(gap, accum_steps, micro_batches=len(window.micro_batches))
-    result = dataclasses.replace(result, explanation=step_words(result.explanation))
-    return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result)
+                       predicted_counts=window.predicted_counts, hypotheses=h)
+    # a window of k micro-batches over W ranks is N per rank where full: N = k / W
+    result = full_batch_verdict(gap, accum_steps, world, micro_batches=len(window.micro_batches) // world or None)
+    precision = None
+    if window.precision is not None and window.absum is not None:
+        precision = precision_fit(window, accum_steps)
+    explanation = step_words(result.explanation)
+    if precision is not None and not result.equivalent and precision.error <= precision.bound:
+        explanation = precision_sentence(precision)
+    result = dataclasses.replace(result, explanation=explanation)
+    return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result, precision=precision)
+
+
+def _per_rank(micro_batches: list[int], counts: list[int], world: int) -> list[int]:
+    """Counts of the window's micro-batches summed by rank (micro-batch i came from rank i % W)."""
+    return [sum(c for i, c in zip(micro_batches, counts) if i % world == r) for r in range(world)]
+
+
+def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
+    """||A - F|| / ||S|| against the round-off of the sums the stack ran, norm-wise (Higham's
+    bound of a recursive sum, per element ``gamma_n u`` x S, holds for the 2-norm too): each
+    rank's sum over its n micro-batches in the accumulation dtype, the sum over the W ranks in
+    the reduction dtype (its inputs rounded to it first where it is lower), the micro-batches'
+    own gradients in their compute dtype; and the same sums all in float32."""
+    p: StepPrecision = window.precision
+    world = window.world_size
+    local = max(1, math.ceil(len(window.micro_batches) / world))
+
+    def bound(accumulation: str, reduction: str, computed: str) -> float:
+        u_acc, u_red, u_comp = (UNIT_ROUNDOFF[d] for d in (accumulation, reduction, computed))
+        rounded = u_red if u_red > u_acc else 0.0
+        return gamma(local, u_acc) + gamma(world, u_red) + rounded + COMPUTE_ROUNDINGS * u_comp + 2 * UNIT_ROUNDOFF[
+            "float32"]
+
+    top = math.sqrt(sum(float(np.sum(np.square(s))) for s in window.absum.values()))
+    gap = math.sqrt(sum(float(np.sum(np.square(window.applied[n] - f))) for n, f in window.window.items()))
+    error = gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
+    float32 = bound("float32", "float32", "float32")
+    lost = [where for where, dtype in (("the local sum", p.accumulation), ("the reduction", p.reduction),
+                                       ("the gradients' compute dtype", p.computed))
+            if UNIT_ROUNDOFF[dtype] > UNIT_ROUNDOFF["float32"]]
+    # where the error is beyond float32's, the stage whose own lower precision alone explains it
+    if error > float32 and len(lost) > 1:
+        alone = [where for where, args in (("the local sum", (p.accumulation, "float32", "float32")),
+                                           ("the reduction", ("float32", p.reduction, "float32")),
+                                           ("the gradients' compute dtype", ("float32", "float32", p.computed)))
+                 if where in lost and error <= bound(*args)]
+        lost = alone or lost
+    return StepPrecisionFit(accumulation=p.accumulation, reduction=p.reduction, computed=p.computed, error=error,
+                            bound=bound(p.accumulation, p.reduction, p.computed), float32_bound=float32,
+                            lost_in=" and ".join(lost) if error > float32 else "")
+
+
+def precision_sentence(fit: StepPrecisionFit) -> str:
+    """What a step below float64 applied, against its round-off."""
+    figures = f"|A - F| = {fit.error:.2g} of |S|"
+    if fit.error <= fit.float32_bound:
+        return f"the window's gradient to float32 round-off ({figures}, float32's bound {fit.float32_bound:.2g})"
+    dtypes = ", ".join(f"{what} in {dtype}" for what, dtype in (("summed", fit.accumulation),
+                                                               ("reduced", fit.reduction),
+                                                               ("computed", fit.computed)) if dtype != "float32")
+    return (f"precision lost in {fit.lost_in}: the window's gradient within the round-off of its dtypes ({dtypes}; "
+            f"{figures}, bound {fit.bound:.2g}), beyond float32's ({fit.float32_bound:.2g})")
 
 
 def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWindow], micro_batches_seen: int,
                  versions: dict[str, str], notes: list[str] | None = None, reproduce: str = "",
                  precision: str = "float64", micro_batches_expected: int | None = None,
-                 coverage: Coverage | None = None) -> StackReport:
+                 coverage: Coverage | None = None, world_size: int = 1) -> StackReport:
     """The report of a stack's run: every window judged; the micro-batches that ran but are in no
     window are the ones never stepped on.
 
@@ -84,7 +162,7 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
                          steps=[judge_window(w, accum_steps) for w in windows], micro_batches_seen=micro_batches_seen,
                          unstepped=[i for i in range(micro_batches_seen) if i not in stepped], precision=precision,
                          versions=versions, tolerance=SEMANTIC_TOLERANCE, notes=list(notes or []),
-                         reproduce=reproduce, micro_batches_expected=micro_batches_expected)
+                         reproduce=reproduce, micro_batches_expected=micro_batches_expected, world_size=world_size)
     if coverage.unrecorded:
         unjudged = _unjudged(coverage)
         if report.exit_code == 0:

@@ -67,6 +67,11 @@ class FullBatchResult:
     # A is the window's gradient but for terms computed over the batch by design, which
     # accumulation can only average over the micro-batches: not a fault of the accumulation
     batch_level: bool = False
+    # data parallel: A = sum over the ranks of rank_factors[r] x (rank r's micro-batches as a batch
+    # of their own, normalised over that rank's items); the items each rank held
+    rank_factors: list[float] | None = None
+    rank_residual: float | None = None
+    rank_items: list[int] | None = None
 
     @property
     def faithful(self) -> bool:

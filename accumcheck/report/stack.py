@@ -9,7 +9,23 @@ from dataclasses import dataclass, field
 from .single import FullBatchResult
 from .values import SCHEMA_VERSION, Serialised
 
-STEP_VERDICTS = ("faithful", "batch-level", "constant-factor", "mismatch", "non-finite")
+STEP_VERDICTS = ("faithful", "batch-level", "precision-loss", "constant-factor", "mismatch", "non-finite")
+
+
+@dataclass
+class StepPrecisionFit:
+    """A step of a stack that does not apply its gradient in float64 (FSDP2, DeepSpeed): how far
+    the applied gradient A is from the window's float64 F, against the round-off of the sums the
+    stack ran. All relative to ||S||, S the sum over the window's micro-batches of |each one's
+    gradient| (``accumcheck.judge.stack.precision_fit``)."""
+
+    accumulation: str  # dtype of each rank's sum over its micro-batches
+    reduction: str  # dtype of the sum over the ranks
+    computed: str  # dtype the micro-batches' gradients are computed in
+    error: float  # ||A - F|| / ||S||
+    bound: float  # the round-off of the stack's dtypes, relative to ||S||
+    float32_bound: float  # the same sums all in float32
+    lost_in: str  # "", "the local sum", "the reduction", "the gradients' compute dtype", or a combination
 
 
 @dataclass
@@ -19,15 +35,21 @@ class StackStep:
     step: int  # counted from 0
     micro_batches: list[int]  # the run's micro-batch indices in the window
     result: FullBatchResult  # applied gradient (A) against the window as one batch (F)
+    precision: StepPrecisionFit | None = None  # where the stack runs below float64
 
     @property
     def verdict(self) -> str:
-        """faithful (A = F within the tolerance), batch-level (A = F but for what the model
+        """faithful (A = F within the tolerance, or below float64 within float32's round-off),
+        precision-loss (A = F within the round-off of the stack's reduced dtypes only), batch-level (A = F but for what the model
         computes over the batch by design, which no accumulation can equal), constant-factor
         (A = cF, c not 1), mismatch (no single factor: the micro-batches are weighted unlike one
         batch) or non-finite."""
         if self.result.equivalent:
             return "faithful"
+        if self.precision is not None and self.precision.error <= self.precision.float32_bound:
+            return "faithful"
+        if self.precision is not None and self.precision.error <= self.precision.bound:
+            return "precision-loss"
         if self.result.faithful:
             return "batch-level"
         if self.result.constant:
@@ -61,6 +83,7 @@ class StackReport(Serialised):
     # run was not cut short by the check: more than were seen is batches the stack never ran
     micro_batches_expected: int | None = None
     reproduce: str = ""
+    world_size: int = 1  # ranks of a data-parallel run: a window is every rank's micro-batches of its step
     kind: str = "stack"
     schema_version: int = SCHEMA_VERSION
 
@@ -84,6 +107,7 @@ class StackReport(Serialised):
         steps = len(self.steps)
         return (f"{steps} optimizer step{'s' * (steps != 1)} checked, {self.micro_batches_seen} micro-batch"
                 f"{'es' * (self.micro_batches_seen != 1)} seen" +
+                (f" on {self.world_size} ranks" if self.world_size > 1 else "") +
                 (f" of the {self.micro_batches_expected} the data holds" if self.micro_batches_expected else ""))
 
     def summary(self) -> str:

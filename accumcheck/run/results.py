@@ -84,8 +84,10 @@ class Hypotheses:
     summed over the window; ``main``, F without ``terms``, the loss's additive terms; whether the
     model ``takes_item_count`` (accepts ``num_items_in_batch``, so a Hugging Face Trainer skips its
     1/N); ``by_design``, the modules that compute over the batch (BatchNorm in train mode), so
-    that a window differs from one batch whatever the accumulation; and ``rest``, A and F again
-    with those modules in eval mode."""
+    that a window differs from one batch whatever the accumulation; ``rest``, A and F again
+    with those modules in eval mode; and in a data-parallel run ``rank_windows``, each rank's
+    micro-batches of the window as a batch of their own (normalised over that rank's items), by
+    rank."""
 
     micro_sum: dict[str, np.ndarray] | None = None
     main: dict[str, np.ndarray] | None = None
@@ -93,6 +95,9 @@ class Hypotheses:
     takes_item_count: bool | None = None
     by_design: list[str] = field(default_factory=list)
     rest: FullBatchGap | None = None
+    rank_windows: list[dict[str, np.ndarray]] | None = None
+    rank_items: list[int] | None = None  # the items of the window on each rank, where counted
+    rank_predicted: list[int] | None = None  # of those, the ones a causal LM predicts
 
 
 @dataclass
@@ -139,6 +144,17 @@ class RunResult:
     grad_scale: float | None = None
 
 
+@dataclass(frozen=True)
+class StepPrecision:
+    """The dtypes a stack that does not run in float64 applies its gradient in: ``accumulation``,
+    that of each rank's sum over its micro-batches, and ``reduction``, that of the sum over the
+    ranks; ``computed``, that of the micro-batches' own gradients (the parameters' compute dtype)."""
+
+    accumulation: str = "float32"
+    reduction: str = "float32"
+    computed: str = "float32"
+
+
 @dataclass
 class StackWindow:
     """One optimizer step of a training stack: the gradient its optimizer was about to apply and
@@ -152,3 +168,6 @@ class StackWindow:
     item_counts: list[int] | None = None  # items (labelled tokens) per micro-batch, where known
     predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
     hypotheses: Hypotheses = field(default_factory=Hypotheses)
+    world_size: int = 1  # ranks whose micro-batches the window holds (micro-batch i came from rank i % W)
+    precision: StepPrecision | None = None  # where the stack does not apply its gradient in float64
+    absum: dict[str, np.ndarray] | None = None  # with precision: sum of |micro-batch gradients|, the round-off scale

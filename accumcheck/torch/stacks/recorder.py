@@ -23,11 +23,12 @@ import torch
 from ...errors import AccumcheckError, first_line
 from ...judge.fullbatch import SEMANTIC_TOLERANCE, largest_difference
 from ...judge.stack import Coverage
-from ...run.results import Hypotheses, StackWindow, TermGradients
+from ...run.results import Hypotheses, StackWindow, StepPrecision, TermGradients
 from ...run.usermodel import map_leaves
 from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
 from ..userbatch import IGNORE_INDEX, item_count, join
+from .world import World
 
 _DROPOUT_WORDS = ("dropout", "pdrop")
 
@@ -188,14 +189,31 @@ class StackRecorder:
     sequences right-padded to one length). ``capture()`` is called before clipping and, as a
     fallback, from the optimizer's step pre-hook; a window is captured once. ``stepped()`` counts
     the stack's real optimizer steps (``optimizer_steps``) and, in ``unrecorded``, those with no
-    micro-batch recorded since the step before: steps the check did not judge."""
+    micro-batch recorded since the step before: steps the check did not judge.
+
+    In a data-parallel run (``World``) every rank records its own micro-batches and calls
+    ``capture()`` at the same steps; the window is every rank's micro-batches, gathered, and every
+    rank computes its gradient alike, so every rank holds the same windows. ``applied_gradient(name,
+    parameter)`` is the whole gradient the optimizer applies (default ``.grad``; a sharded stack
+    gathers it, on every rank in the same order); ``reference()`` is the module the window's
+    gradient is computed on (default: ``model``, which the stack's check runs in float64), with
+    ``model``'s parameter names; ``precision`` says in which dtypes a stack that does not run in
+    float64 sums the micro-batches and reduces over the ranks, so that its round-off is allowed
+    for."""
 
     def __init__(self, model: torch.nn.Module, window_loss: Callable[[Any, Any], Any],
-                 join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False) -> None:
+                 join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False, *,
+                 applied_gradient: Callable[[str, torch.nn.Parameter], torch.Tensor | None] | None = None,
+                 reference: Callable[[], torch.nn.Module] | None = None,
+                 precision: StepPrecision | None = None) -> None:
         self.model = model
         self.window_loss = window_loss
         self.join_window = join_window or join_padded
         self.labelled = labelled  # (inputs, target) batches: count the target's items
+        self.applied_gradient = applied_gradient or (lambda name, p: p.grad)
+        self.reference = reference
+        self.precision = precision
+        self.world = World.current()
         self.windows: list[StackWindow] = []
         self.pending: list[tuple[int, Any]] = []
         self.seen = 0
@@ -205,10 +223,15 @@ class StackRecorder:
         self.takes_item_count: bool | None = None  # the model normalises by the window's items itself
         self._hooks: list[Any] = []
 
+    @property
+    def seen_everywhere(self) -> int:
+        """Micro-batches recorded on every rank together (a collective in a data-parallel run)."""
+        return sum(self.world.gather(self.seen))
+
     def record(self, batch: Any) -> None:
         """One micro-batch entered the current window (kept as it was fed)."""
         kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
-        self.pending.append((self.seen, kept))
+        self.pending.append((self.world.global_index(self.seen), kept))
         self.seen += 1
 
     def watch(self, optimizer: Any) -> None:
@@ -239,49 +262,68 @@ class StackRecorder:
                         optimizer_steps=self.optimizer_steps, unrecorded=list(self.unrecorded))
 
     def capture(self) -> None:
-        """The current window: the gradient in ``.grad`` now, and the window's as one batch (the
-        stack's gradients and buffers are put back before it goes on). Where the loss has
+        """The current window: the gradient the optimizer is about to apply, and the window's as one
+        batch (the stack's gradients and buffers are put back before it goes on). Where the loss has
         additive terms, or the window's gradient is not what was applied, also what else may
         explain it (``Hypotheses``): each term's gradient on the window and summed over the
-        micro-batches, and the micro-batches' own losses' gradients summed."""
-        if not self.pending:
+        micro-batches, the micro-batches' own losses' gradients summed, and in a data-parallel run
+        each rank's micro-batches as a batch of their own, averaged over the ranks."""
+        world = self.world
+        pending = sorted((entry for part in world.gather(self.pending) for entry in part), key=lambda e: e[0])
+        if not pending:
             return
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        applied = {name: _grad(p) for name, p in named}
-        batches = [b for _, b in self.pending]
-        grads = [p.grad for _, p in named]
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        hypotheses = Hypotheses(takes_item_count=self.takes_item_count, by_design=batch_level_modules(self.model))
+        applied = {name: _array(self.applied_gradient(name, p), p) for name, p in named}
+        module = self.model if self.reference is None else self.reference()
+        reference = dict(module.named_parameters())
+        missing = [name for name, _ in named if name not in reference]
+        if missing:
+            raise AccumcheckError(f"stack check: the reference module has no parameter {missing[0]!r} of the model")
+        ref_named = [(name, reference[name]) for name, _ in named]
+        batches = [b for _, b in pending]
+        indices = [i for i, _ in pending]
+        grads = [p.grad for _, p in ref_named]
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        hypotheses = Hypotheses(takes_item_count=self.takes_item_count, by_design=batch_level_modules(module))
+        absum = None
         try:
             with torch.enable_grad():
-                window, term_windows = self._gradients(named, self.join_window(batches))
+                window, term_windows = self._gradients(module, ref_named, self.join_window(batches))
                 if term_windows:
                     hypotheses.main = {name: g - sum(t[name] for t in term_windows.values())
                                        for name, g in window.items()}
-                if term_windows or largest_difference(applied, window)[0] > SEMANTIC_TOLERANCE:
-                    micro_sum, summed = self._micro_batch_sums(named, batches)
+                close = largest_difference(applied, window)[0] <= SEMANTIC_TOLERANCE
+                if term_windows or not close or self.precision is not None:
+                    micro_sum, summed, absum = self._micro_batch_sums(module, ref_named, batches)
                     hypotheses.micro_sum = micro_sum
                     hypotheses.terms = {name: TermGradients(summed[name], term_windows[name])
                                         for name in term_windows if name in summed}
+                if world.parallel and not close:
+                    hypotheses.rank_windows = self._rank_windows(module, ref_named, pending)
         finally:
             with torch.no_grad():
-                for (_, p), g in zip(named, grads):
+                for (_, p), g in zip(ref_named, grads):
                     p.grad = g
                 for b, value in buffers:
                     b.copy_(value)
         counts = [item_count(b, self.labelled) for b in batches]
         predicted = [predicted_count(b) for b in batches]
-        self.windows.append(StackWindow(step=len(self.windows), micro_batches=[i for i, _ in self.pending],
+        known = None not in counts
+        if absum is not None and self.precision is not None:
+            absum = _weighted_absum(absum, counts if known else None)
+        self.windows.append(StackWindow(step=len(self.windows), micro_batches=indices,
                                         applied=applied, window=window,
-                                        item_counts=None if None in counts else counts,
+                                        item_counts=counts if known else None,
                                         predicted_counts=None if None in predicted else predicted,
-                                        hypotheses=hypotheses))
+                                        hypotheses=hypotheses, world_size=world.size,
+                                        precision=self.precision, absum=absum))
         self.pending = []
         self._captured = True
 
-    def _gradients(self, named: list[tuple[str, torch.Tensor]], batch: Any) -> tuple[Gradients, dict[str, Gradients]]:
+    def _gradients(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
+                   batch: Any) -> tuple[Gradients, dict[str, Gradients]]:
         """The gradient of the stack's loss of ``batch``, and of each of its additive terms."""
-        found = self.window_loss(self.model, batch)
+        found = self.window_loss(module, batch)
         loss, terms = found if isinstance(found, tuple) else (found, {})
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise AccumcheckError("stack check: the window's loss is not a scalar tensor with a gradient "
@@ -295,18 +337,34 @@ class StackRecorder:
             gradients.append({name: _grad(p) for name, p in named})
         return gradients[0], dict(zip(terms, gradients[1:]))
 
-    def _micro_batch_sums(self, named: list[tuple[str, torch.Tensor]],
-                          batches: list[Any]) -> tuple[Gradients, dict[str, Gradients]]:
+    def _micro_batch_sums(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
+                          batches: list[Any]) -> tuple[Gradients, dict[str, Gradients], list[Gradients]]:
         """Over the window's micro-batches, each as a batch of its own: its loss's gradient summed,
-        and each term's."""
+        each term's, and the absolute value of each one's gradient."""
         total: Gradients = {}
         terms: dict[str, Gradients] = {}
+        absolute: list[Gradients] = []
         for batch in batches:
-            gradient, term_gradients = self._gradients(named, self.join_window([batch]))
+            gradient, term_gradients = self._gradients(module, named, self.join_window([batch]))
             _add(total, gradient)
+            absolute.append({name: np.abs(g) for name, g in gradient.items()})
             for name, g in term_gradients.items():
                 _add(terms.setdefault(name, {}), g)
-        return total, terms
+        return total, terms, absolute
+
+    def _rank_windows(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
+                      pending: list[tuple[int, Any]]) -> list[Gradients]:
+        """Each rank's micro-batches of the window as a batch of their own (normalised over that
+        rank's items only), their gradients by rank: a data-parallel step where each rank counted
+        its own items (num_items_in_batch counted per rank, transformers#34242) is a weighted sum
+        of them."""
+        size = self.world.size
+        found = []
+        for rank in range(size):
+            mine = [b for i, b in pending if i % size == rank]
+            found.append(self._gradients(module, named, self.join_window(mine))[0] if mine else
+                         {name: np.zeros(tuple(p.shape)) for name, p in named})
+        return found
 
 
 Gradients = dict[str, np.ndarray]
@@ -318,7 +376,24 @@ def _add(total: Gradients, gradient: Gradients) -> None:
 
 
 def _grad(p: torch.Tensor) -> np.ndarray:
-    return np.zeros(tuple(p.shape)) if p.grad is None else to_numpy(p.grad).astype(np.float64)
+    return _array(p.grad, p)
+
+
+def _array(grad: torch.Tensor | None, p: torch.Tensor) -> np.ndarray:
+    """A gradient in float64 on the host; zeros of the parameter's shape where there is none."""
+    return np.zeros(tuple(p.shape)) if grad is None else to_numpy(grad.detach()).astype(np.float64)
+
+
+def _weighted_absum(absolute: list[Gradients], counts: list[int] | None) -> Gradients:
+    """The sum over the window's micro-batches of |each one's gradient| under the window's
+    normalisation (its own mean loss's weighted by its share of the window's items, or 1/k), the
+    scale of the round-off of any sum of them."""
+    total = sum(counts) if counts else 0
+    weights = [c / total for c in counts] if total else [1.0 / len(absolute)] * len(absolute)
+    found: Gradients = {}
+    for w, gradient in zip(weights, absolute):
+        _add(found, {name: w * g for name, g in gradient.items()})
+    return found
 
 
 def predicted_count(batch: Any) -> int | None:
