@@ -10,6 +10,7 @@ stack does not hide anything here (precision is what ``accumcheck check`` looks 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import random
 import re
@@ -65,15 +66,17 @@ def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 class Float64Run:
-    """The model (and its optimizers) in float64 for the check, dropout off, and everything put
-    back on exit: parameter and buffer tensors (the very ones, so their values are bit for bit
+    """The model (and its optimizers) in float64 for the check (unless ``float64`` is False: a
+    data-parallel or sharded stack whose communication is set up for its dtypes runs in them, and
+    is judged against a float64 copy), dropout off, and everything put back on exit: parameter and buffer tensors (the very ones, so their values are bit for bit
     as before), ``.grad``, training flags, dropout rates, optimizer state and hyper-parameters,
     a ``forward`` a stack patched onto the model, and the random states the stack reseeds."""
 
-    def __init__(self, model: torch.nn.Module, optimizers: tuple[Any, ...] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, optimizers: tuple[Any, ...] = (), float64: bool = True) -> None:
         self.model = model
         self.optimizers = [innermost_optimizer(o) for o in optimizers if o is not None]
         self.dropouts = 0
+        self.float64 = float64  # False: the model keeps its dtypes (a stack judged against a float64 copy)
 
     def __enter__(self) -> "Float64Run":
         model = self.model
@@ -87,6 +90,9 @@ class Float64Run:
         self._optimizer_state = [(o, o.state, [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups])
                                  for o in self.optimizers]
         self._rates = self._dropout_off(model)
+        if not self.float64:
+            self._hook, self._experts = None, None
+            return self
         with torch.no_grad():
             for p in self._params:
                 if p.is_floating_point():
@@ -105,7 +111,8 @@ class Float64Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         if self._experts is not None:
             self.model.set_experts_implementation(self._experts)
         for p, data, grad in zip(self._params, self._data, self._grads):
@@ -143,6 +150,25 @@ class Float64Run:
                     setattr(m, attr, 0.0)
         self.dropouts = len(saved)
         return saved
+
+
+def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` in float64 sharing no storage with it, dropout off, for a reference
+    computed beside a stack that runs in its own dtypes (``refresh_copy`` brings its weights up)."""
+    with torch.no_grad():
+        copied = copy.deepcopy(model).to(torch.float64)
+    for p in copied.parameters():
+        p.grad = None
+    return copied
+
+
+def refresh_copy(copied: torch.nn.Module, model: torch.nn.Module) -> None:
+    """``copied``'s parameters and buffers set to ``model``'s values now (float64)."""
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(copied.named_parameters(), model.named_parameters()):
+            mine.copy_(theirs.detach())
+        for (_, mine), (_, theirs) in zip(copied.named_buffers(), model.named_buffers()):
+            mine.copy_(theirs.detach())
 
 
 def _eager_experts(model: torch.nn.Module) -> dict[str, Any] | None:

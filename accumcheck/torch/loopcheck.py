@@ -1,0 +1,300 @@
+"""Your own PyTorch training loop under accumcheck: any loop that accumulates gradients by hand,
+one process or data-parallel (DistributedDataParallel with ``no_sync()`` or
+``require_backward_grad_sync``, FSDP2's ``fully_shard`` with ``set_requires_gradient_sync``), with
+or without GradScaler and clipping, run for K optimizer steps with each step's gradient set beside
+its window's gradient as one batch.
+
+    check = accumcheck.torch.AccumulationCheck(model, optimizer, steps=3)
+    with check:
+        for i, batch in enumerate(check.batches(loader)):
+            model.require_backward_grad_sync = (i + 1) % N == 0
+            loss = model(**batch).loss / N
+            loss.backward()
+            if (i + 1) % N == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+    report = check.report   # every rank holds the same report; print it on rank 0
+
+What the loop does is what is judged: how it scales each micro-batch's loss, which micro-batches
+reach a step, what DDP's all-reduce or FSDP2's reduce-scatter does with them. A window in a
+data-parallel run is every rank's micro-batches of that step. The gradient is read at the
+optimizer's step, as it was before ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+(called through ``torch.nn.utils``) or GradScaler's ``unscale_`` changed it. A model that is not
+sharded runs in float64 for the check; an FSDP2 model runs as configured (its
+MixedPrecisionPolicy too), is judged against a float64 copy of itself, and below float64 against
+the round-off of its dtypes. On exit the model, its optimizer, the scheduler given, the random
+states and the patched functions are put back, also when the loop raises.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable
+
+import torch
+
+from ..errors import AccumcheckError, NothingJudgedError
+from ..judge.stack import stack_report
+from ..report import StackReport
+from ..run.results import StepPrecision
+from .stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .userbatch import micro_loss
+
+_CLIPS = ("clip_grad_norm_", "clip_grad_value_")
+
+
+class AccumulationCheck:
+    """The check of a plain PyTorch loop. ``model`` is what the loop trains (a module, a
+    DistributedDataParallel, an FSDP2 ``fully_shard`` model); ``optimizer`` the torch optimizer it
+    steps (a GradScaler's ``step(optimizer)`` steps it too). ``loss_fn(model(inputs), target)``,
+    ``step(model, batch)`` or the model's own loss (``model(**batch).loss``) is the loss of the
+    window as one batch, as ``accumcheck.torch.check`` reads a batch: the loss as the loop computes
+    it before any division by N. ``steps`` stops the loop after that many optimizer steps;
+    ``scheduler`` is put back afterwards with the rest. ``report`` is the StackReport once the
+    ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged."""
+
+    who = "accumcheck.torch.AccumulationCheck"
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
+                 step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
+                 scheduler: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise AccumcheckError(f"{self.who}: model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss_fn is not None and step is not None:
+            raise AccumcheckError(f"{self.who}: pass loss_fn or step, not both")
+        for name, fn in (("loss_fn", loss_fn), ("step", step)):
+            if fn is not None and not callable(fn):
+                raise AccumcheckError(f"{self.who}: {name} must be callable, got {type(fn).__name__}")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise AccumcheckError(f"{self.who}: steps must be a positive integer, got {steps!r}")
+        if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+            raise AccumcheckError(f"{self.who}: scheduler must be a learning-rate scheduler (with state_dict), "
+                                  f"got {type(scheduler).__name__}")
+        self.wrapper = model
+        self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.optimizer = innermost_optimizer(optimizer)
+        self.loss_fn, self.step, self.steps, self.scheduler = loss_fn, step, steps, scheduler
+        self.sharded = _fully_sharded(self.model)
+        self.parallel = self.sharded or self.wrapper is not self.model
+        # DDP's buckets and FSDP2's shards are set up for the model's dtypes: such a model runs in them,
+        # judged against a float64 copy; any other runs in float64
+        self.run = Float64Run(self.model, (self.optimizer,), float64=not self.parallel)
+        self.recorder: StackRecorder | None = None
+        self._replica: torch.nn.Module | None = None
+        self._before_clip: dict[int, torch.Tensor | None] | None = None
+        self._report: StackReport | None = None
+        self._finished = False  # the with block was left: the report can be built
+        self._fed = False  # check.batches was called in the block
+        self._inside = False
+        self._synced: list[bool] = []  # per micro-batch: its backward all-reduced (DDP)
+
+    # -------------------------------------------------------------- the block
+
+    def __enter__(self) -> "AccumulationCheck":
+        if self._inside:
+            raise AccumcheckError(f"{self.who}: already inside its with block")
+        self._report, self._finished, self._fed, self._synced = None, False, False, []
+        self._schedule = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
+        precision = None
+        if self.sharded:
+            from .stacks import sharded
+
+            policy = sharded.mixed_precision(self.model)
+            dtype = policy.get("param_dtype") or _dtype_name(self.model)
+            precision = StepPrecision(accumulation=dtype, reduction=policy.get("reduce_dtype") or dtype, computed=dtype)
+        elif self.parallel:
+            dtype = _dtype_name(self.model)
+            precision = StepPrecision(accumulation=dtype, reduction=dtype, computed=dtype)
+        self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None,
+                                      applied_gradient=self._applied, precision=precision,
+                                      reference=self._reference if self.parallel else None)
+        self.run.__enter__()
+        self._inside = True
+        try:
+            self._clips = {name: getattr(torch.nn.utils, name) for name in _CLIPS}
+            for name, clip in self._clips.items():
+                setattr(torch.nn.utils, name, self._captured_first(clip))
+            self.recorder.watch(self.optimizer)
+            self._reset = self.optimizer.register_step_pre_hook(self._stepped)  # after the recorder's capture
+            self._sync_hook = self.wrapper.register_forward_pre_hook(self._note_sync) \
+                if self.wrapper is not self.model else None
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._inside:
+            return
+        self._inside = False
+        try:
+            self.recorder.unwatch()
+            if getattr(self, "_reset", None) is not None:
+                self._reset.remove()
+            for name, clip in getattr(self, "_clips", {}).items():
+                setattr(torch.nn.utils, name, clip)
+            if getattr(self, "_sync_hook", None) is not None:
+                self._sync_hook.remove()
+        finally:
+            self.run.__exit__(*exc)
+            if self._schedule is not None:  # the loop's scheduler counted the run's steps
+                self.scheduler.load_state_dict(self._schedule)
+            self._replica = None
+            self._finished = True
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The loader's micro-batches, each recorded and handed on (with its floating tensors in
+        float64 where the model runs in float64); stops before the next micro-batch once ``steps``
+        optimizer steps have run."""
+        if not self._inside:
+            raise AccumcheckError(f"{self.who}: call check.batches(loader) inside `with check:`")
+        try:
+            iterator = iter(loader)
+        except TypeError:
+            raise AccumcheckError(f"{self.who}.batches: expected an iterable of micro-batches (a DataLoader), "
+                                  f"got {type(loader).__name__}") from None
+        self._fed = True
+        return self._recorded(iterator)
+
+    def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        recorder = self.recorder
+        while self.steps is None or len(recorder.windows) < self.steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            recorder.record(batch)
+            yield batch if self.parallel else float64_leaves(batch)
+
+    # -------------------------------------------------------------- what is read
+
+    def _captured_first(self, clip: Callable[..., Any]) -> Callable[..., Any]:
+        """``clip`` that keeps the gradient as it was before its first call since the last step:
+        what the optimizer would apply unclipped, which the step then judges."""
+        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            if self._before_clip is None and self.recorder.pending:
+                self._before_clip = {id(p): None if p.grad is None else p.grad.detach().clone()
+                                     for p in self.model.parameters()}
+            return clip(*args, **kwargs)
+        return clip_gradients
+
+    def _stepped(self, *_: Any) -> None:
+        self._before_clip = None
+
+    def _applied(self, name: str, param: torch.nn.Parameter) -> torch.Tensor | None:
+        kept = self._before_clip
+        grad = kept[id(param)] if kept is not None and id(param) in kept else param.grad
+        if self.sharded:
+            from .stacks import sharded
+
+            grad = sharded.full_gradient(grad)
+        return grad
+
+    def _reference(self) -> torch.nn.Module:
+        """The float64 (unsharded) copy of a data-parallel or FSDP2 model, holding its weights now."""
+        if self.sharded:
+            from .stacks import sharded
+
+            make, refresh = sharded.float64_replica, sharded.refresh
+        else:
+            make, refresh = float64_copy, refresh_copy
+        if self._replica is None:
+            self._replica = make(self.model)
+        else:
+            refresh(self._replica, self.model)
+        return self._replica
+
+    def _window_loss(self, model: Any, batch: Any) -> Any:
+        return micro_loss(model, float64_leaves(batch), "the window as one batch", self.loss_fn, self.step)
+
+    def _note_sync(self, module: Any, args: Any) -> None:
+        """Whether DDP's backward of this forward all-reduces (``no_sync()`` and
+        ``require_backward_grad_sync`` both set the flag DDP reads)."""
+        self._synced.append(bool(getattr(module, "require_backward_grad_sync", True)))
+
+    # -------------------------------------------------------------- the report
+
+    @property
+    def report(self) -> StackReport:
+        """The StackReport of the block, judged when first read; NothingJudgedError where nothing was
+        judged, AccumcheckError where steps the check did not see would leave a pass. In a
+        data-parallel run every rank must read it (it is agreed on with a collective)."""
+        if not self._finished:
+            raise NothingJudgedError(f"{self.who}: no report yet; run the loop inside `with check:` and read "
+                                     "check.report after it")
+        if self._report is None:
+            self._report = self._build_report()
+        return self._report
+
+    def _build_report(self) -> StackReport:
+        recorder = self.recorder
+        world = recorder.world
+        accum_steps = self._accum_steps()
+        reference = "step(model, batch)" if self.step is not None else \
+            "loss_fn(model(inputs), target)" if self.loss_fn is not None else "the model's own loss"
+        kind = ("FSDP2 (fully_shard)" if self.sharded else "DistributedDataParallel"
+                if self.wrapper is not self.model else "one process")
+        notes = [f"your loop ({kind}): the gradient is read at the optimizer's step, as it was before "
+                 f"torch.nn.utils.clip_grad_norm_ / clip_grad_value_; {reference} on the window as one batch for the "
+                 "reference"]
+        if self.parallel:
+            policy = recorder.precision
+            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model runs in its dtypes (accumulated "
+                         f"in {policy.accumulation}, reduced in {policy.reduction}) against a float64 copy of it; the "
+                         "model, optimizer and random states were put back after the run")
+        else:
+            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in float64; the model, "
+                         "optimizer and random states were put back after the run")
+        if world.parallel:
+            notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
+                         f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
+        synced = self._sync_note(accum_steps)
+        if synced:
+            notes.append(synced)
+        idle_fix = ("check.batches(loader) gave no micro-batch: is the data loader empty?" if self._fed else
+                    "run the training loop inside `with check:`, iterating `for batch in check.batches(loader):`")
+        coverage = recorder.coverage(self.who, "check.batches(loader)",
+                                     "iterate `for batch in check.batches(loader):` inside `with check:`",
+                                     "the with block", idle_fix)
+        return stack_report("torch", type(self.model).__name__, accum_steps, recorder.windows,
+                            recorder.seen_everywhere, {"torch": torch.__version__}, notes,
+                            reproduce=f"accumcheck.torch.AccumulationCheck(model, optimizer, steps={self.steps})",
+                            coverage=coverage, world_size=world.size,
+                            precision="float64" if recorder.precision is None else recorder.precision.reduction)
+
+    def _accum_steps(self) -> int:
+        """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""
+        world = self.recorder.world
+        counts = [len(w.micro_batches) for w in self.recorder.windows]
+        return max(1, max(counts, default=world.size) // world.size)
+
+    def _sync_note(self, accum_steps: int) -> str:
+        """DDP all-reduces beyond one per window: a cost, not a fault (the gradient is the same)."""
+        world = self.recorder.world
+        synced = world.gather(sum(self._synced))[0] if self.wrapper is not self.model else 0
+        windows = len(self.recorder.windows)
+        if not windows or synced <= windows or accum_steps <= 1:
+            return ""
+        return (f"DDP all-reduced on {synced} micro-steps for {windows} optimizer steps: {synced - windows} "
+                "all-reduces more than one per window, a cost and not a fault (the gradient is the same); "
+                "skip the sync with model.no_sync() or require_backward_grad_sync = False on all but a window's last "
+                "micro-step")
+
+
+def _fully_sharded(model: torch.nn.Module) -> bool:
+    """An FSDP2 (``fully_shard``) model, or one with a sharded submodule."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    """The lowest precision among the model's floating parameters ("float32", "bfloat16")."""
+    names = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    from ..bounds import UNIT_ROUNDOFF
+
+    return max(names & set(UNIT_ROUNDOFF), key=UNIT_ROUNDOFF.get, default="float32")
