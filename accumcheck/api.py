@@ -36,6 +36,7 @@ from .run.backend import Backend, Progress
 from .run.budget import plan
 from .run.config import RunConfig
 from .run.faults import Fault, resolve_fault
+from .run.launch import launched_world_size
 from .run.registry import backend_names, backend_options, get_backend, installed_backends
 from .run.resources import check_stack_resources, estimate_stack
 from .run.results import RunResult
@@ -218,11 +219,16 @@ STACK_MODULES = {
     "accelerate": "accumcheck.integrations.accelerate",
     "lightning": "accumcheck.integrations.lightning",
     "gluon": "accumcheck.integrations.gluon",
+    "loop": "accumcheck.torch.stacks.loops",
+    "fsdp2": "accumcheck.torch.stacks.loops",  # its run_sharded_case
+    "deepspeed": "accumcheck.integrations.deepspeed",
 }
+# the stacks that run on several ranks, and how each built-in run is reached
+PARALLEL_STACKS = ("transformers", "accelerate", "lightning", "loop", "fsdp2", "deepspeed")
 
 
 def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: int | None = None,
-          batches: int | None = None, fault: str | None = None, force: bool = False) -> Any:
+          batches: int | None = None, fault: str | None = None, force: bool = False, world_size: int = 1) -> Any:
     """A built-in case (or case file) run through a training stack ("transformers",
     "accelerate", "lightning", "gluon") as a user would write it, every optimizer step judged
     against its window as one batch; ``fault`` breaks the loop on purpose ("micro-batch-mean",
@@ -235,10 +241,26 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
     for name, value in (("--accum-steps", accum_steps), ("--batches", batches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise AccumcheckError(f"{name} {value}: give a positive whole number")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise AccumcheckError(f"--world-size {world_size}: give a positive whole number")
+    if world_size > 1 and stack not in PARALLEL_STACKS:
+        raise AccumcheckError(f"--stack {stack} with --world-size: runs in one process here; use one of "
+                              f"{', '.join(PARALLEL_STACKS)}, or leave --world-size out")
     steps = accum_steps or resolved.accum_steps
     check_stack_resources(estimate_stack(resolved, steps, batches), force=force)
+    if world_size > 1 and launched_world_size() is None:  # started from a shell: torchrun runs the ranks
+        if not isinstance(case, (str, Path)):
+            raise AccumcheckError("stack with world_size > 1: pass the case by name or file, which every rank reads")
+        from .torch.stacks.launch import launch
+
+        arguments = [f"--stack={stack}", f"--case={case}", f"--accum-steps={steps}", "--force"] + \
+            ([f"--batches={batches}"] if batches is not None else []) + ([f"--fault={fault}"] if fault else [])
+        return launch(arguments, world_size)
     module = importlib.import_module(STACK_MODULES[stack])  # imports the stack's framework
-    return module.run_case(resolved, steps, batches, fault)
+    run_case = getattr(module, "run_sharded_case" if stack == "fsdp2" else "run_case")
+    if stack in PARALLEL_STACKS:
+        return run_case(resolved, steps, batches, fault, world_size=world_size)
+    return run_case(resolved, steps, batches, fault)
 
 
 def write_repro(report: Report, config: RunConfig, path: str | Path, *, shrink: bool = False,

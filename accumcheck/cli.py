@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from . import api
 from .case.reading import builtin_cases
-from .errors import AccumcheckError
+from .errors import AccumcheckError, RankFailed
 from .files import check_output_file, check_output_folder, write_or_rescue
 from .options.choices import MODES, REDUCTIONS, STACK_FAULTS, STACKS
 from .options.spec import OPTIONS_BY_NAME, RUN_OPTIONS, TRAIN_OPTIONS, TRAIN_RUN_OPTIONS, Option, add_options
@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--fault", choices=STACK_FAULTS, help="break the loop on purpose to see the check fire")
     stack.add_argument("--force", action="store_true",
                        help="run even where the run's memory estimate exceeds what is available")
+    stack.add_argument("--world-size", type=_accum_steps().from_text, metavar="W",
+                       help="run data-parallel on W CPU ranks started by torchrun (default: 1, or the job's under "
+                            "torchrun); each step's window is every rank's micro-batches")
     stack.add_argument("--format", choices=("table", "json", "markdown"), default="table", help="output format (default: %(default)s)")
     stack.add_argument("--output", metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
 
@@ -158,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rank = launched_rank()
                 print(f"accumcheck: error{f' (rank {rank})' if rank else ''}: {exc}", file=sys.stderr)
                 return 2
+            except RankFailed as exc:  # a rank's own internal-error line, not wrapped again
+                print(f"accumcheck: {exc}", file=sys.stderr)
+                return INTERNAL_ERROR
             except Exception as exc:  # a bug, not a finding: never exit 1, never a bare traceback
                 print(f"accumcheck: internal error ({type(exc).__name__}: {_first_line(exc)}); this is not an "
                       f"accumulation finding; {_save_traceback()}", file=sys.stderr)
@@ -272,7 +278,18 @@ def _check(args: argparse.Namespace) -> int:
 
 def _stack(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    report = api.stack(args.stack, args.case, args.accum_steps, args.batches, args.fault, force=args.force)
+    launched = launched_world_size()
+    if launched is not None and args.world_size not in (None, launched):
+        raise AccumcheckError(f"--world-size {args.world_size}: this process was started by torchrun with "
+                              f"WORLD_SIZE={launched}; pass --world-size {launched} or leave it out")
+    report = api.stack(args.stack, args.case, args.accum_steps, args.batches, args.fault, force=args.force,
+                       world_size=launched or args.world_size or 1)
+    if launched is not None:
+        from .torch.stacks.launch import write_rank_report
+
+        write_rank_report(report)  # for the command that started the ranks, where one did
+        if launched_rank() != 0:  # every rank holds the same report; rank 0 prints it
+            return report.exit_code
     _emit(report, args)
     return report.exit_code
 

@@ -21,6 +21,11 @@ class UserCodeError(AccumcheckError):
     exception is chained as ``__cause__``."""
 
 
+class RankFailed(RuntimeError):
+    """A rank of a job accumcheck started ended with an internal error: the message is the rank's
+    own line (naming the rank and where its traceback was saved), told as it is, exit code 3."""
+
+
 # What user code may raise that is the user's to answer for: every Exception, and SystemExit (a
 # ``sys.exit()`` or an argparse error in the user's code). KeyboardInterrupt stays an interrupt.
 USER_EXCEPTIONS = (Exception, SystemExit)

@@ -5,6 +5,9 @@ micro-batches as one batch (in float64, the model, optimizer and accelerator put
     python examples/stack_accelerate.py         # accelerate's recipe for windows of different token
                                                 # counts: faithful, exit code 0
     python examples/stack_accelerate.py --mean  # each micro-batch's own token mean: flagged, exit code 1
+    torchrun --nproc_per_node 2 examples/stack_accelerate.py [--mean]   # the same on 2 CPU processes:
+                                                # ten micro-batches per rank, rank r's i-th the data's
+                                                # i x 2 + r, each step's window every rank's of it
 
 A tiny language model over sequences of different lengths (padding labelled -100), ten
 micro-batches with N = 4: two full windows and a short last one of two, which accelerate steps
@@ -37,10 +40,10 @@ class TinyLM(torch.nn.Module):
         return {"loss": total / items, "logits": logits}
 
 
-def micro_batches():
+def micro_batches(count):
     gen = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(MICRO_BATCHES):
+    for _ in range(count):
         ids = torch.randint(0, VOCAB, (4, 12), generator=gen)
         lengths = torch.randint(3, 13, (4, 1), generator=gen)
         batches.append({"input_ids": ids, "labels": ids.masked_fill(torch.arange(12) >= lengths, -100)})
@@ -49,15 +52,19 @@ def micro_batches():
 
 def main(mean: bool = False) -> int:
     torch.manual_seed(0)
-    batches = micro_batches()
-    # accelerate's recipe: the window's labelled tokens, counted before its micro-batches run
+    accelerator = Accelerator(gradient_accumulation_steps=N, cpu=True)
+    ranks, rank = accelerator.num_processes, accelerator.process_index
+    batches = micro_batches(MICRO_BATCHES * ranks)
+    # accelerate's recipe: the window's labelled tokens over every rank, counted before its
+    # micro-batches run; rank r's i-th micro-batch is the data's i x ranks + r
     counts = [int((b["labels"] != -100).sum()) for b in batches]
-    window_tokens = [sum(counts[i - i % N:i - i % N + N]) for i in range(len(batches))]
+    window = N * ranks
+    window_tokens = [sum(counts[j - j % window:j - j % window + window]) for j in range(len(batches))]
 
-    accelerator = Accelerator(gradient_accumulation_steps=N)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    # one micro-batch per loader batch (accelerate shards a loader's batches over the ranks in turn)
+    loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda one: one[0])
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     check = AccumulationCheck(accelerator, model, optimizer)
@@ -66,15 +73,18 @@ def main(mean: bool = False) -> int:
             with accelerator.accumulate(model):
                 if mean:
                     loss = model(**batch)["loss"]  # each micro-batch's own mean (transformers#34191)
-                else:  # backward divides by N: multiply it back, the window's token count normalises
-                    loss = model(**batch, num_items_in_batch=window_tokens[i])["loss"] * N
+                else:  # backward divides by N and DDP averages the ranks: multiply both back, the
+                    # window's token count normalises
+                    loss = model(**batch, num_items_in_batch=window_tokens[i * ranks + rank])["loss"] * N * ranks
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
-    print(accumcheck.render.render(check.report, "table"))
-    return check.report.exit_code
+    report = check.report  # every rank reads it (a collective); the main process prints it
+    if accelerator.is_main_process:
+        print(accumcheck.render.render(report, "table"))
+    return report.exit_code
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ try:
     import lightning.pytorch as pl
     import torch
 
-    from ..torch.stacks.cases import FAULTS, CaseLM, case_batches, window_items
-    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_leaves
+    from ..run.results import StepPrecision
+    from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, refresh_copy
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "lightning and PyTorch", "pip install 'accumcheck[lightning]'") from None
 
@@ -75,13 +76,29 @@ class AccumulationCheck(pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._accum_steps, self._module = trainer.accumulate_grad_batches, pl_module
-        self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True)
+        # data parallel: the strategy's DDP buckets are set up for the module's dtypes, so it runs in them,
+        # judged against a float64 copy of itself; in one process it runs in float64
+        parallel = trainer.world_size > 1
+        self._copy = None
+        self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
+                                      reference=self._reference if parallel else None,
+                                      precision=StepPrecision() if parallel else None)
         self._report, self._ended = None, None
-        self._run = Float64Run(pl_module, tuple(trainer.optimizers))
+        self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel)
         self._run.__enter__()
         self._strategy = trainer.strategy
-        transfer = trainer.strategy.batch_to_device
-        trainer.strategy.batch_to_device = lambda *args, **kwargs: float64_leaves(transfer(*args, **kwargs))
+        if not parallel:
+            transfer = trainer.strategy.batch_to_device
+            trainer.strategy.batch_to_device = lambda *args, **kwargs: float64_leaves(transfer(*args, **kwargs))
+
+    def _reference(self) -> Any:
+        """A float64 copy of the module (its trainer shared, not copied), holding its weights now."""
+        if self._copy is None:
+            self._copy = float64_copy(self._module, (self._module.trainer,))
+            self._copy.trainer = self._module.trainer  # a module's pickled state leaves its trainer out
+        else:
+            refresh_copy(self._copy, self._module)
+        return self._copy
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.recorder.pending:
@@ -110,6 +127,7 @@ class AccumulationCheck(pl.Callback):
         if self._run is None:
             return
         run, self._run = self._run, None
+        self._copy = None
         try:
             self._strategy.__dict__.pop("batch_to_device", None)
         finally:
@@ -121,6 +139,8 @@ class AccumulationCheck(pl.Callback):
         with ``self.log`` silenced (the reference is no metric of the run) and the trainer's
         ``accumulate_grad_batches`` 1 while it runs (one batch is a window of one), so a
         training_step that divides by it is caught dividing the real windows."""
+        if module is self._copy:  # data parallel: the batch as the ranks ran it, for the float64 copy
+            batch = float64_leaves(batch)
         if self.loss is not None:
             return self.loss(module, batch)
         trainer = module.trainer
@@ -147,10 +167,17 @@ class AccumulationCheck(pl.Callback):
         coverage = recorder.coverage("lightning.AccumulationCheck", "the fit's training batches",
                                      "let the fit feed its batches (training_step with automatic optimization)",
                                      "the fit", idle_fix)
-        return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen,
+        world = recorder.world
+        if world.parallel:
+            notes[1] = (f"dropout off ({dropouts} rates set to 0); the module runs in its dtypes against a float64 copy "
+                        "of it; the module, its optimizers and the random states were put back after the fit")
+            notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
+                         f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
+        return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen_everywhere,
                             {"lightning": pl.__version__, "torch": torch.__version__}, notes,
                             reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}) "
-                                      "among the Trainer's callbacks", coverage=coverage)
+                                      "among the Trainer's callbacks", coverage=coverage, world_size=world.size,
+                            precision="float64" if recorder.precision is None else recorder.precision.reduction)
 
 
 def _idle_fix(trainer: Any) -> str:
@@ -163,52 +190,69 @@ def _idle_fix(trainer: Any) -> str:
 
 class CaseModule(pl.LightningModule):
     """A built-in case as a user's LightningModule written for windows of different token counts:
-    each micro-batch's token-summed loss over its window's labelled tokens, times N (Lightning
-    divides by N); ``loss_over_n`` divides by N once more, as a module that does Lightning's
-    division itself would."""
+    each micro-batch's token-summed loss over its window's labelled tokens (on every rank: the
+    global window's), times N and the world size (Lightning divides by N, the all-reduce averages
+    over the ranks); ``loss_over_n`` divides by N once more, as a module that does Lightning's
+    division itself would; ``rank_loss_scaled`` doubles the last rank's loss."""
 
-    def __init__(self, case_model: CaseLM, accum_steps: int, items: list[int], loss_over_n: bool = False) -> None:
+    def __init__(self, case_model: CaseLM, accum_steps: int, items: list[int], loss_over_n: bool = False,
+                 rank_loss_scaled: bool = False) -> None:
         super().__init__()
         self.case = case_model
         self.accum_steps, self.items, self.loss_over_n = accum_steps, items, loss_over_n
+        self.rank_loss_scaled = rank_loss_scaled
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.case(**batch, num_items_in_batch=self.items[batch_idx])["loss"] * self.accum_steps
+        world, rank = self.trainer.world_size, self.trainer.global_rank  # rank r's i-th batch: i x W + r
+        loss = self.case(**batch, num_items_in_batch=self.items[batch_idx * world + rank])["loss"]
+        loss = loss * self.accum_steps * world * (2.0 if self.rank_loss_scaled and rank == world - 1 else 1.0)
         return loss / self.accum_steps if self.loss_over_n else loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None,
+             world_size: int = 1) -> StackReport:
     """A built-in token case through ``Trainer(accumulate_grad_batches=N, gradient_clip_val=1.0)``
-    for one epoch of ``batches`` micro-batches (default 2N + 2: two full windows and a short
-    one). ``fault``: "micro-batch-mean" (the model ignores the window's token count) or
-    "loss-over-n" (training_step divides by N, which Lightning does again). Returns the
-    StackReport of every step."""
-    if fault not in (None, *FAULTS):
-        raise AccumcheckError(f"--fault {fault}: not a fault the lightning stack runs; use one of {', '.join(FAULTS)}")
+    for one epoch of ``batches`` micro-batches (default 2N + 2 per rank: two full windows and a
+    short one), on ``world_size`` CPU processes (``strategy="ddp"``: Lightning starts them, or
+    takes those torchrun started). ``fault``: "micro-batch-mean" (the model ignores the window's
+    token count), "loss-over-n" (training_step divides by N, which Lightning does again) or, on
+    several ranks, "rank-loss-scaled" (the last rank's loss doubled). Returns the StackReport of
+    every step."""
+    if fault not in (None, *FAULTS, *RANK_FAULTS[:1]):
+        raise AccumcheckError(f"--fault {fault}: not a fault the lightning stack runs; use one of "
+                              f"{', '.join(FAULTS + RANK_FAULTS[:1])}")
+    if fault in RANK_FAULTS and world_size < 2:
+        raise AccumcheckError(f"--fault {fault}: a fault of one rank of several; run with --world-size 2 or more")
     case = resolve_case(case)
-    count = 2 * accum_steps + 2 if batches is None else batches
+    count = (2 * accum_steps + 2) * world_size if batches is None else batches
     micro_batches = case_batches(case, count)
     case_model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
-    module = CaseModule(case_model, accum_steps, window_items(micro_batches, accum_steps), fault == "loss-over-n")
+    module = CaseModule(case_model, accum_steps, window_items(micro_batches, accum_steps * world_size),
+                        fault == "loss-over-n", fault == "rank-loss-scaled")
     # the window's reference: the case's own token mean over it (training_step knows the run's windows only)
     check = AccumulationCheck(loss=lambda m, batch: m.case(**batch)["loss"])
     chatter = logging.getLogger("lightning.pytorch")
     level = chatter.level
     chatter.setLevel(logging.WARNING)
+    parallel = {"devices": world_size, "strategy": "ddp"} if world_size > 1 else {"devices": 1}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no workers, no logger: what a small run means to do
-            trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=accum_steps,
+            trainer = pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=accum_steps,
                                  gradient_clip_val=1.0, callbacks=[check], logger=False, enable_checkpointing=False,
-                                 enable_progress_bar=False, enable_model_summary=False)
-            trainer.fit(module, torch.utils.data.DataLoader(micro_batches, batch_size=None))
+                                 enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                                 **parallel)
+            # rank r takes micro-batches r, r + W, ... (the numbering of the report and of the module's items)
+            sampler = torch.utils.data.DistributedSampler(micro_batches, world_size, trainer.global_rank, shuffle=False) \
+                if world_size > 1 else None
+            trainer.fit(module, torch.utils.data.DataLoader(micro_batches, batch_size=None, sampler=sampler))
     finally:
         chatter.setLevel(level)
     report = check.report
     report.model = f"{case.name} (built-in case)"
-    report.reproduce = stack_command("lightning", case.name, accum_steps, batches, fault)
+    report.reproduce = stack_command("lightning", case.name, accum_steps, batches, fault, world_size)
     report.micro_batches_expected = count
     return report

@@ -37,8 +37,9 @@ try:
     import accelerate  # noqa: F401  (the Trainer's own engine: missing, one line says so)
     import transformers  # noqa: F401
 
+    from ..torch.stacks.batches import join_paired
     from ..torch.stacks.cases import CaseLM, case_examples
-    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, join_paired, stack_library
+    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, stack_library
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "transformers, accelerate and PyTorch", "pip install 'accumcheck[transformers]'") from None
 
@@ -86,6 +87,9 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     saved = {name: getattr(trainer, name, None) for name in ("optimizer", "lr_scheduler", "state", "control")}
     schedule = None if trainer.lr_scheduler is None else copy.deepcopy(trainer.lr_scheduler.state_dict())
     clip = trainer.accelerator.clip_grad_norm_
+    # accelerate's shared gradient state: a run that raises leaves its loader among the active ones
+    gradient_state = trainer.accelerator.gradient_state
+    iterating = (gradient_state.sync_gradients, gradient_state.dataloader_references)
     run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else ())
     callbacks = list(trainer.callback_handler.callbacks)
     # The check's steps are no training of yours: not printed, not sent to TensorBoard, W&B, ...
@@ -115,6 +119,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
         trainer.__dict__.pop("training_step", None)
         trainer.accelerator.__dict__.pop("clip_grad_norm_", None)
         trainer.callback_handler.callbacks = callbacks
+        gradient_state.sync_gradients, gradient_state.dataloader_references = iterating
         for name, value in saved.items():
             setattr(trainer, name, value)
         if schedule is not None:  # a scheduler the user gave the Trainer counted the run's steps
@@ -158,26 +163,50 @@ def _idle_fix(args: Any) -> str:
     return "is its train_dataset empty? give it at least one micro-batch, or a positive max_steps"
 
 
-def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+def run_case(case: Case, accum_steps: int, batches: int | None = None, fault: str | None = None,
+             world_size: int = 1) -> StackReport:
     """A built-in case through a Hugging Face Trainer as a user would set it up (its default
     clipping, AdamW, shuffling; the model passes ``num_items_in_batch`` on), ``batches``
-    micro-batches (default 2N + 2: two full windows and a short one), in one epoch."""
+    micro-batches (default 2N + 2 per rank: two full windows and a short one), in one epoch, on
+    ``world_size`` CPU ranks (started by torchrun, which the Trainer reads itself). ``fault``:
+    "micro-batch-mean", "loss-over-n" or, on several ranks, "rank-loss-scaled" (the last rank's
+    loss doubled)."""
     transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
-    if fault not in (None, *FAULTS):
-        raise AccumcheckError(f"--fault {fault}: not a fault the transformers stack runs; use one of {', '.join(FAULTS)}")
+    faults = FAULTS + (("rank-loss-scaled",) if world_size > 1 else ())
+    if fault not in (None, *faults):
+        raise AccumcheckError(f"--fault {fault}: not a fault the transformers stack runs{' on one rank' * (world_size == 1)}; "
+                              f"use one of {', '.join(faults)}")
     model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
-    count = 2 * accum_steps + 2 if batches is None else batches
+    count = (2 * accum_steps + 2) * world_size if batches is None else batches
     with tempfile.TemporaryDirectory(prefix="accumcheck-trainer-") as folder:
         args = transformers.TrainingArguments(
             output_dir=folder, per_device_train_batch_size=case.input.batch_size, gradient_accumulation_steps=accum_steps,
             num_train_epochs=1, learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
             use_cpu=True, disable_tqdm=True, seed=case.seed)
-        kind = _loss_over_n(transformers.Trainer) if fault == "loss-over-n" else transformers.Trainer
+        if args.world_size != world_size:
+            raise AccumcheckError(f"--world-size {world_size}: the Trainer runs on {args.world_size} processes here; "
+                                  "start the ranks with torchrun (accumcheck stack --world-size does)")
+        kind = _loss_over_n(transformers.Trainer) if fault == "loss-over-n" else \
+            _rank_loss_scaled(transformers.Trainer) if fault == "rank-loss-scaled" else transformers.Trainer
         trainer = kind(model=model, args=args, train_dataset=case_examples(case, count))
         report = check(trainer)
     report.model = f"{case.name} (built-in case)"
-    report.reproduce = stack_command("transformers", case.name, accum_steps, batches, fault)
+    report.reproduce = stack_command("transformers", case.name, accum_steps, batches, fault, world_size)
     return report
+
+
+def _rank_loss_scaled(base: type) -> type:
+    class RankLossScaled(base):  # type: ignore[misc, valid-type]
+        """The last rank's loss doubled in compute_loss: its micro-batches weigh twice their share."""
+
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            found = super().compute_loss(model, inputs, *args, **kwargs)
+            last = self.args.process_index == self.args.world_size - 1 and kwargs.get("num_items_in_batch") is not None
+            if not last:
+                return found
+            return (found[0] * 2, found[1]) if isinstance(found, tuple) else found * 2
+
+    return RankLossScaled
 
 
 def _loss_over_n(base: type) -> type:

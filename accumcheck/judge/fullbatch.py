@@ -20,7 +20,7 @@ import numpy as np
 from ..report import FullBatchResult, TermFit
 from ..report.single import factor_text
 from ..run.results import FullBatchGap, Hypotheses
-from .hypotheses import micro_sum_fit, rank_fit, term_fits
+from .hypotheses import micro_sum_fit, missing_micro_batches, missing_sentence, rank_fit, term_fits
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.
@@ -117,7 +117,10 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
         match = _ignored_item_count(match)
     result.explanation = explain(equivalent, fit, match, candidates, gap.item_counts, figures, difference)
     if not equivalent and fit.finite and fit.factor is not None:
-        result.explanation = _explained_otherwise(result, h, window, accum_steps, candidates) or result.explanation
+        dropped = None if constant or terms is not None else \
+            missing_micro_batches(gap.accumulated, h, gap.item_counts, fit.silent, FACTOR_TOLERANCE)
+        result.explanation = _explained_otherwise(result, h, window, accum_steps, candidates, dropped,
+                                                  world_size) or result.explanation
     return result
 
 
@@ -141,7 +144,7 @@ IGNORED_ITEM_COUNT = ("the model accepts num_items_in_batch, so the Trainer does
 
 
 def _explained_otherwise(result: FullBatchResult, h: Hypotheses, window: int, accum_steps: int,
-                         candidates: list[Candidate]) -> str | None:
+                         candidates: list[Candidate], dropped: list[int] | None, world_size: int) -> str | None:
     """The sentence of what else explains A where F alone does not, or None."""
     if result.terms:
         return terms_sentence(result, window, candidates)
@@ -149,6 +152,8 @@ def _explained_otherwise(result: FullBatchResult, h: Hypotheses, window: int, ac
         return by_design_sentence(result)
     if result.constant:
         return None
+    if dropped:
+        return missing_sentence(dropped, window, world_size)
     if result.rank_factors is not None and result.rank_residual is not None \
             and result.rank_residual <= FACTOR_TOLERANCE:
         return rank_sentence(result.rank_factors, h.rank_items, h.rank_predicted)
@@ -233,7 +238,11 @@ def rank_sentence(factors: list[float], rank_items: list[int] | None, rank_predi
                               zip(factors, rank_predicted, rank_items)):
         return said + ("; and each rank's loss is divided by its labelled tokens counted before the causal shift "
                        "(transformers#46204)")
-    return f"not a constant factor: {head}: the ranks' micro-batches are weighted unlike one batch ({shares} items)"
+    weighed = [c / (n / total) for c, n in zip(factors, rank_items)]  # one batch: 1 x each rank's share
+    odd = [r for r, w in enumerate(weighed) if abs(w - 1.0) > FACTOR_TOLERANCE]
+    listed = ", ".join(f"rank {r} {factor_text(weighed[r])}" for r in odd)
+    return (f"not a constant factor: {head}: the ranks do not scale their losses alike: against its share of the "
+            f"window's items, which one batch weights it by, {listed} x ({shares} items)")
 
 
 def micro_sum_sentence(factor: float, takes_item_count: bool | None, window: int, accum_steps: int) -> str:

@@ -7,7 +7,10 @@ other gradients a check computed beside F (``accumcheck.run.results.Hypotheses``
   do for a term computed over the batch; b = 1 is the term added once per micro-batch;
 - the sum over the micro-batches of each one's own loss, normalised over its own items: A = c x
   that sum with nothing left over is each micro-batch's mean loss accumulated, c = 1 summed
-  (a Trainer that skipped its 1/N), c = 1/N averaged.
+  (a Trainer that skipped its 1/N), c = 1/N averaged;
+- each micro-batch's own gradient g_j: A = sum of c_j x g_j, where one batch weights g_j by its
+  share of the window's items, n_j / n; a c_j of 0 with the others their share is a micro-batch
+  whose backward never reached the step (a rank that skipped it, a loader that lost it).
 """
 
 from __future__ import annotations
@@ -98,3 +101,33 @@ def rank_fit(applied: Gradients, hypotheses: Hypotheses, leave_out: list[str]) -
     if not hypotheses.rank_windows:
         return None
     return combination(applied, hypotheses.rank_windows, leave_out)
+
+
+def missing_micro_batches(applied: Gradients, hypotheses: Hypotheses, item_counts: list[int] | None,
+                          leave_out: list[str], tolerance: float) -> list[int] | None:
+    """The positions in the window of the micro-batches A leaves out, where A is the window's
+    gradient but for them (each other micro-batch at its share of the items, within the factor
+    ``tolerance``, nothing left over); None where that does not explain A."""
+    found = hypotheses.micro_batches
+    if not found or len(found) < 2:
+        return None
+    counts = item_counts if item_counts and len(item_counts) == len(found) and sum(item_counts) else [1] * len(found)
+    fit = combination(applied, found, leave_out)
+    if fit.residual > tolerance:
+        return None
+    weights = [c / (n / sum(counts)) if n else None for c, n in zip(fit.factors, counts)]
+    dropped = [j for j, w in enumerate(weights) if w is not None and abs(w) <= tolerance]
+    kept = [w for j, w in enumerate(weights) if w is not None and j not in dropped]
+    if not dropped or not kept or any(abs(w - 1.0) > tolerance for w in kept):
+        return None
+    return dropped
+
+
+def missing_sentence(dropped: list[int], window: int, world_size: int) -> str:
+    """What A is when micro-batches at ``dropped`` (positions in the window, every rank's numbered
+    i x W + r) never reached the step."""
+    where = ", ".join(f"{j}" + (f" (rank {j % world_size})" if world_size > 1 else "") for j in dropped)
+    some, those = ("micro-batch", "that one") if len(dropped) == 1 else ("micro-batches", "those")
+    return (f"the window's gradient without {some} {where} of its {window}: the others weighted as one batch "
+            f"weights them, {those} not at all; its backward never reached this optimizer step (skipped, or its "
+            "gradient zeroed before the step)")

@@ -12,5 +12,8 @@ FAULT_KINDS = ("drop-step", "repeat-step", "double-step", "scale", "bf16", "roun
 FAIL_ON = ("suspicious", "marginal", "diverged")
 SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
-STACKS = ("transformers", "accelerate", "lightning", "gluon")
-STACK_FAULTS = ("micro-batch-mean", "loss-over-n", "step-per-micro-batch")
+# "loop": your own PyTorch loop (one process or DistributedDataParallel); "fsdp2" and "deepspeed" shard it
+STACKS = ("transformers", "accelerate", "lightning", "gluon", "loop", "fsdp2", "deepspeed")
+# the last three break one rank of a data-parallel run (--world-size 2 or more)
+STACK_FAULTS = ("micro-batch-mean", "loss-over-n", "step-per-micro-batch", "rank-loss-scaled",
+                "rank-drops-micro-batch", "bfloat16-reduce")

@@ -200,7 +200,9 @@ def add_options(add_argument: Callable[..., Any], options: Iterable[Option], pre
                       default=None if as_lists else ...)
 
 
-def stack_command(stack: str, case: str, accum_steps: int, batches: int | None = None, fault: str | None = None) -> str:
+def stack_command(stack: str, case: str, accum_steps: int, batches: int | None = None, fault: str | None = None,
+                  world_size: int = 1) -> str:
     """The command that reruns ``accumcheck stack`` on a built-in case."""
     return " ".join(["accumcheck stack", f"--stack {stack}", f"--case {case}", f"--accum-steps {accum_steps}"] +
-                    ([f"--batches {batches}"] if batches is not None else []) + ([f"--fault {fault}"] if fault else []))
+                    ([f"--batches {batches}"] if batches is not None else []) + ([f"--fault {fault}"] if fault else []) +
+                    ([f"--world-size {world_size}"] if world_size > 1 else []))

@@ -16,8 +16,10 @@ def stack_header_lines(report: StackReport) -> list[str]:
     """The facts of a training-stack run a reader needs before its table."""
     report = shown(report)
     versions = ", ".join(f"{k} {v}" for k, v in report.versions.items())
-    return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} "
-            f"(tolerance {report.tolerance:g} of the largest window gradient); {versions}",
+    tolerance = (f"(tolerance {report.tolerance:g} of the largest window gradient)" if report.precision == "float64"
+                 else "against the window's gradient in float64, within the round-off of the run's dtypes")
+    return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} {tolerance}; "
+            f"{versions}",
             *report.notes, report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
                                                    else "; every micro-batch seen reached an optimizer step")]
 
@@ -33,7 +35,8 @@ def stack_rows(report: StackReport) -> list[list[str]]:
             f"{factor_text(r.factor)}" + (f" ({r.matches})" if r.matches else "") if r.constant else
             _term_factors(r) if r.terms and r.main_factor is not None else
             f"{factor_text(r.factor_min)}..{factor_text(r.factor_max)}")
-        rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), _cause(r)])
+        cause = r.explanation if s.verdict == "precision-loss" else _cause(r)
+        rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), cause])
     return rows
 
 

@@ -87,7 +87,8 @@ class Hypotheses:
     that a window differs from one batch whatever the accumulation; ``rest``, A and F again
     with those modules in eval mode; and in a data-parallel run ``rank_windows``, each rank's
     micro-batches of the window as a batch of their own (normalised over that rank's items), by
-    rank."""
+    rank; ``micro_batches``, each micro-batch's own gradient (normalised over its own items), in
+    the window's order, for a step that some of them never reached."""
 
     micro_sum: dict[str, np.ndarray] | None = None
     main: dict[str, np.ndarray] | None = None
@@ -98,6 +99,7 @@ class Hypotheses:
     rank_windows: list[dict[str, np.ndarray]] | None = None
     rank_items: list[int] | None = None  # the items of the window on each rank, where counted
     rank_predicted: list[int] | None = None  # of those, the ones a causal LM predicts
+    micro_batches: list[dict[str, np.ndarray]] | None = None
 
 
 @dataclass

@@ -130,11 +130,15 @@ def build_model(case: Case, weights: dict[str, np.ndarray], dtype: torch.dtype, 
     class CaseModel(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.canonical: dict[str, torch.nn.Parameter] = {}
+            self._attributes: dict[str, str] = {}
             for i, (name, value) in enumerate(weights.items()):
-                param = torch.nn.Parameter(torch.tensor(value, dtype=dtype, device=device))
-                self.register_parameter(f"p{i}", param)
-                self.canonical[name] = param
+                self.register_parameter(f"p{i}", torch.nn.Parameter(torch.tensor(value, dtype=dtype, device=device)))
+                self._attributes[name] = f"p{i}"
+
+        @property
+        def canonical(self) -> dict[str, torch.nn.Parameter]:
+            """The case's names to the parameters the module holds now (FSDP2 replaces them)."""
+            return {name: getattr(self, attribute) for name, attribute in self._attributes.items()}
 
         def forward(self, inputs: torch.Tensor, index: int = 0) -> torch.Tensor:
             """The logits of micro-batch ``index`` (its index routes conditional layers)."""

@@ -38,6 +38,8 @@ from ..diagnostics.layers import DEFAULT_LAYERS
 from ..diagnostics.monitor import LOG, GradMonitorBase
 from ..diagnostics.report import DominanceEntry, DominanceReport, largest, rank
 from ..diagnostics.tensorboard import ScalarWriter
+from ..errors import AccumcheckError
+from . import shards as sharding
 
 
 def named_parameters(source: Any) -> list[tuple[str, Any]]:
@@ -144,13 +146,25 @@ class GradMonitor(GradMonitorBase):
     GradMonitor(...) as monitor:`` closes). A step whose clipping scale falls below
     ``clip_threshold``, or whose gradient norm is not finite, gets a dominance report of ``top_k``
     parameters, logged as a warning and kept in ``reports``.
+
+    Sharded gradients (``accumcheck.torch.shards``): given an FSDP2 model (or its parameters, DTensors)
+    or a DeepSpeed ZeRO-1/2 engine, every rank computes its shards' figures and one collective per
+    step joins them; every rank clips by the global norm and names the dominating parameter, rank 0
+    alone writes (the other ranks' writers are dropped; rank 0 must have one where any rank has).
+    Every rank calls the monitor alike. A DeepSpeed engine: call ``clip_grad_norm_`` (the engine's
+    ``gradient_clipping`` 0) or ``observe`` (the engine clips) after each ``engine.backward(loss)``;
+    only the accumulation boundary counts as a step.
     """
 
     NO_PARAMETERS = "no parameter requires grad; pass the parameters you train"
 
     def __init__(self, source: Any, layers: Any = DEFAULT_LAYERS, writer: Any = None, log_every: int = 100,
                  clip_threshold: float = 0.1, top_k: int = 5, logger: logging.Logger = LOG) -> None:
-        super().__init__(named_parameters(source), layers, writer, log_every, clip_threshold, top_k, logger)
+        pairs = None if sharding.is_engine(source) else named_parameters(source)
+        self.shards = sharding.sharded_source(source, pairs)  # None: whole gradients on this rank
+        if self.shards is not None:
+            pairs, writer = self.shards.pairs, self.shards.writer_for(writer)
+        super().__init__(pairs, layers, writer, log_every, clip_threshold, top_k, logger)
         self._plan: _StatsPlan | None = None  # what the per-layer statistics gather
 
     # -------------------------------------------------------------- the step
@@ -159,7 +173,13 @@ class GradMonitor(GradMonitorBase):
                         foreach: bool | None = None) -> Any:
         """torch.nn.utils.clip_grad_norm_ over the monitored parameters: same arguments, same
         result, same clipped gradients; keeps the per-parameter norms and never waits for the
-        device (unless ``error_if_nonfinite``, which must look at the norm)."""
+        device (unless ``error_if_nonfinite``, which must look at the norm). Sharded gradients: the
+        same total to round-off, from one collective (a plain tensor; ``foreach`` is not used)."""
+        if self.shards is not None:
+            if isinstance(self.shards, sharding.ZeroShards) and self.shards.clipping() > 0:
+                raise AccumcheckError("GradMonitor: the DeepSpeed engine clips itself (gradient_clipping "
+                                      f"{self.shards.clipping():g}); call monitor.observe() instead")
+            return self._sharded_step(max_norm, norm_type, error_if_nonfinite)
         step, logged = self._begin_step()
         live = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not live:
@@ -184,6 +204,50 @@ class GradMonitor(GradMonitorBase):
                 payload = payload.float()
         self._pending.append(_HostCopy(payload, (step, norms, plan)))
         self._drain()  # on the CPU the copies have arrived already: report this step's own gradients
+        return total
+
+    def observe(self) -> Any:
+        """Sharded gradients: the step's statistics and dominance report without clipping. For a
+        DeepSpeed engine that clips itself (``gradient_clipping`` in its config), after
+        ``engine.backward(loss)`` and before ``engine.step()``: the clipping scale reported is the
+        engine's. Returns the total norm (None off a DeepSpeed engine's accumulation boundary)."""
+        if self.shards is None:
+            raise AccumcheckError("GradMonitor.observe reads sharded gradients (FSDP2, DeepSpeed ZeRO); "
+                                  "call clip_grad_norm_")
+        return self._sharded_step(None, 2.0, False)
+
+    def _sharded_step(self, max_norm: float | None, norm_type: float, error_if_nonfinite: bool) -> Any:
+        """clip_grad_norm_ (``max_norm`` None: observe) on this rank's shards: the figures joined by
+        one collective (``Shards.combine``), the shards clipped by the global norm."""
+        if not self.shards.at_boundary():
+            return None
+        step, logged = self._begin_step()
+        with torch.no_grad():
+            pieces = self.shards.pieces(self.params)
+            live = [g for g in pieces if g is not None]
+            device = (live or self.params)[0].device
+            dtype = torch.float64 if any(g.dtype == torch.float64 for g in live) else torch.float32
+            plan = None
+            if logged:
+                if self._plan is None or self._plan.key != (device, dtype, norm_type):
+                    self._plan = _StatsPlan(self.layers, self.params, device, dtype, norm_type)
+                plan = self._plan
+                watched = sorted({i for indices in self.layers.values() for i in indices})
+                sharding.local_extremes(pieces, watched, plan.outs)
+            extremes = None if plan is None else plan.extremes
+            norms, total = self.shards.combine(pieces, norm_type, dtype, device, extremes)
+            if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+                raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot "
+                                   "be clipped. To scale the gradients by it anyway, set `error_if_nonfinite=False`")
+            clip = max_norm if max_norm is not None else getattr(self.shards, "clipping", lambda: 0.0)()
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0) if clip else torch.ones_like(total)
+            if max_norm is not None and live:
+                torch._foreach_mul_([g for g in live if g.numel()], coef.to(device))
+            self.last_norms, self.last_total, self.last_coef = norms, total, coef
+            head = torch.stack([total, coef])
+            payload = head if plan is None else torch.cat([head, norms, plan.extremes.view(-1)])
+        self._pending.append(_HostCopy(payload, (step, norms, plan)))
+        self._drain()
         return total
 
     # -------------------------------------------------------------- statistics
@@ -215,6 +279,8 @@ class GradMonitor(GradMonitorBase):
                 coef: float) -> DominanceReport:
         """From the step's per-parameter norms, kept on the device (the copy holds them at a
         logged step only)."""
+        if self.shards is not None:
+            return self.shards.report(self.names, norms, self.top_k, step, reason, total, coef)
         return dominance_report(self.names, self.params, norms, top_k=self.top_k, step=step, reason=reason,
                                 total_norm=total, clip_coef=coef)
 

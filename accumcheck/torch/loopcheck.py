@@ -106,7 +106,7 @@ class AccumulationCheck:
             precision = StepPrecision(accumulation=dtype, reduction=policy.get("reduce_dtype") or dtype, computed=dtype)
         elif self.parallel:
             dtype = _dtype_name(self.model)
-            precision = StepPrecision(accumulation=dtype, reduction=dtype, computed=dtype)
+            precision = StepPrecision(accumulation=dtype, reduction=_ddp_reduction(self.wrapper) or dtype, computed=dtype)
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None,
                                       applied_gradient=self._applied, precision=precision,
                                       reference=self._reference if self.parallel else None)
@@ -160,13 +160,18 @@ class AccumulationCheck:
 
     def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
         recorder = self.recorder
-        while self.steps is None or len(recorder.windows) < self.steps:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            recorder.record(batch)
-            yield batch if self.parallel else float64_leaves(batch)
+        try:
+            while self.steps is None or len(recorder.windows) < self.steps:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                recorder.record(batch)
+                yield batch if self.parallel else float64_leaves(batch)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()  # a loader's iterator left early (a prepared one puts its state back on close)
 
     # -------------------------------------------------------------- what is read
 
@@ -174,11 +179,15 @@ class AccumulationCheck:
         """``clip`` that keeps the gradient as it was before its first call since the last step:
         what the optimizer would apply unclipped, which the step then judges."""
         def clip_gradients(*args: Any, **kwargs: Any) -> Any:
-            if self._before_clip is None and self.recorder.pending:
+            if self._before_clip is None and self.recorder.pending and self._stepping():
                 self._before_clip = {id(p): None if p.grad is None else p.grad.detach().clone()
                                      for p in self.model.parameters()}
             return clip(*args, **kwargs)
         return clip_gradients
+
+    def _stepping(self) -> bool:
+        """Whether a clip now is the one before an optimizer step (a stack that knows says)."""
+        return True
 
     def _stepped(self, *_: Any) -> None:
         self._before_clip = None
@@ -228,17 +237,27 @@ class AccumulationCheck:
             self._report = self._build_report()
         return self._report
 
+    def _loop_note(self, reference: str) -> str:
+        """The report's first note: whose loop, and where the gradient is read."""
+        kind = ("FSDP2 (fully_shard)" if self.sharded else "DistributedDataParallel"
+                if self.wrapper is not self.model else "one process")
+        return (f"your loop ({kind}): the gradient is read at the optimizer's step, as it was before "
+                f"torch.nn.utils.clip_grad_norm_ / clip_grad_value_; {reference} on the window as one batch for the "
+                "reference")
+
+    def _stack(self) -> tuple[str, dict[str, str], str]:
+        """The stack's name, its versions and how to reproduce the check, for the report."""
+        return "fsdp2" if self.sharded else "loop", {"torch": torch.__version__}, \
+            "accumcheck.torch.AccumulationCheck(model, optimizer, " \
+            f"steps={self.steps})"
+
     def _build_report(self) -> StackReport:
         recorder = self.recorder
         world = recorder.world
         accum_steps = self._accum_steps()
         reference = "step(model, batch)" if self.step is not None else \
             "loss_fn(model(inputs), target)" if self.loss_fn is not None else "the model's own loss"
-        kind = ("FSDP2 (fully_shard)" if self.sharded else "DistributedDataParallel"
-                if self.wrapper is not self.model else "one process")
-        notes = [f"your loop ({kind}): the gradient is read at the optimizer's step, as it was before "
-                 f"torch.nn.utils.clip_grad_norm_ / clip_grad_value_; {reference} on the window as one batch for the "
-                 "reference"]
+        notes = [self._loop_note(reference)]
         if self.parallel:
             policy = recorder.precision
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model runs in its dtypes (accumulated "
@@ -258,9 +277,9 @@ class AccumulationCheck:
         coverage = recorder.coverage(self.who, "check.batches(loader)",
                                      "iterate `for batch in check.batches(loader):` inside `with check:`",
                                      "the with block", idle_fix)
-        return stack_report("torch", type(self.model).__name__, accum_steps, recorder.windows,
-                            recorder.seen_everywhere, {"torch": torch.__version__}, notes,
-                            reproduce=f"accumcheck.torch.AccumulationCheck(model, optimizer, steps={self.steps})",
+        stack, versions, reproduce = self._stack()
+        return stack_report(stack, type(self.model).__name__, accum_steps, recorder.windows,
+                            recorder.seen_everywhere, versions, notes, reproduce=reproduce,
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction)
 
@@ -290,6 +309,21 @@ def _fully_sharded(model: torch.nn.Module) -> bool:
     except ImportError:  # a torch without FSDP2
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _ddp_reduction(ddp: Any) -> str | None:
+    """The dtype a DistributedDataParallel's communication hook all-reduces in, where it has one:
+    its ``reduce_dtype`` attribute, or torch's compression hooks by name (bf16, fp16); a hook of
+    no known dtype is judged against bfloat16's round-off, the lowest a hook reduces in (a lossy
+    hook, PowerSGD, is beyond it and flagged)."""
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    for hook, _ in hooks:
+        dtype = getattr(hook, "reduce_dtype", None)
+        name = getattr(hook, "__name__", "")
+        if dtype is not None:
+            return str(dtype).removeprefix("torch.")
+        return "float16" if "fp16" in name else "bfloat16"
+    return None
 
 
 def _dtype_name(model: torch.nn.Module) -> str:

@@ -45,7 +45,7 @@ def test_a_fault_is_flagged_exit_1_and_the_json_report_shows_again(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--stack", "deepspeed"], "argument --stack: invalid choice: 'deepspeed'"),
+    (["--stack", "megatron"], "argument --stack: invalid choice: 'megatron'"),
     (["--stack", "transformers", "--fault", "step-per-micro-batch"], "not a fault the transformers stack runs"),
     (["--stack", "transformers", "--case", "nope"], "unknown case 'nope'"),
     (["--stack", "transformers", "--batches", "0"], "argument --batches"),

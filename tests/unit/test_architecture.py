@@ -9,7 +9,7 @@ The floors, lowest first (a module may import from its own floor and the floors 
                 framework-free parts
   judge         accumcheck.judge: statistics, verdicts, data-parallel and cross-framework checks
   frameworks    accumcheck.torch, accumcheck.mxnet, accumcheck.jax: one package per framework
-  entry points  accumcheck (the package's face), accumcheck.api, .cli, .plugin, .assertions, and
+  entry points  accumcheck (the package's face, and ``python -m accumcheck``), accumcheck.api, .cli, .plugin, .assertions, and
                 accumcheck.integrations (one module per training stack)
 
 Every import counts, at module level or inside a function.
@@ -26,11 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "accumcheck"
 FLOORS = ("core", "judge", "frameworks", "entry points")
-ENTRY_POINTS = {"accumcheck", "accumcheck.api", "accumcheck.cli", "accumcheck.plugin", "accumcheck.assertions"}
+ENTRY_POINTS = {"accumcheck", "accumcheck.__main__", "accumcheck.api", "accumcheck.cli", "accumcheck.plugin", "accumcheck.assertions"}
 FRAMEWORKS = ("torch", "mxnet", "jax")
 # Each training stack's integration and the one framework it may name.
 INTEGRATIONS = {"accumcheck.integrations.transformers": "torch", "accumcheck.integrations.accelerate": "torch",
-                "accumcheck.integrations.lightning": "torch", "accumcheck.integrations.gluon": "mxnet"}
+                "accumcheck.integrations.lightning": "torch", "accumcheck.integrations.deepspeed": "torch",
+                "accumcheck.integrations.gluon": "mxnet"}
 
 
 def framework_of(module: str) -> str | None:

@@ -14,6 +14,8 @@ from ..casemodel import build_model
 from ..userbatch import IGNORE_INDEX, item_count
 
 FAULTS = ("micro-batch-mean", "loss-over-n")
+# faults of one rank of a data-parallel run: its loss doubled, one of its micro-batches never backwarded
+RANK_FAULTS = ("rank-loss-scaled", "rank-drops-micro-batch")
 
 
 class CaseLM(torch.nn.Module):

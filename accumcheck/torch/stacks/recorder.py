@@ -15,7 +15,6 @@ import importlib
 import random
 import re
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -28,7 +27,8 @@ from ...run.results import Hypotheses, StackWindow, StepPrecision, TermGradients
 from ...run.usermodel import map_leaves
 from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
-from ..userbatch import IGNORE_INDEX, item_count, join
+from ..userbatch import item_count
+from .batches import join_padded, predicted_count
 from .world import World
 
 _DROPOUT_WORDS = ("dropout", "pdrop")
@@ -152,11 +152,12 @@ class Float64Run:
         return saved
 
 
-def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+def float64_copy(model: torch.nn.Module, shared: tuple[Any, ...] = ()) -> torch.nn.Module:
     """A copy of ``model`` in float64 sharing no storage with it, dropout off, for a reference
-    computed beside a stack that runs in its own dtypes (``refresh_copy`` brings its weights up)."""
+    computed beside a stack that runs in its own dtypes (``refresh_copy`` brings its weights up);
+    the objects in ``shared`` (a Lightning module's trainer) referenced, not copied."""
     with torch.no_grad():
-        copied = copy.deepcopy(model).to(torch.float64)
+        copied = copy.deepcopy(model, {id(obj): obj for obj in shared}).to(torch.float64)
     for p in copied.parameters():
         p.grad = None
     return copied
@@ -320,8 +321,10 @@ class StackRecorder:
                                        for name, g in window.items()}
                 close = largest_difference(applied, window)[0] <= SEMANTIC_TOLERANCE
                 if term_windows or not close or self.precision is not None:
-                    micro_sum, summed, absum = self._micro_batch_sums(module, ref_named, batches)
+                    micro_sum, summed, each = self._micro_batch_sums(module, ref_named, batches)
                     hypotheses.micro_sum = micro_sum
+                    hypotheses.micro_batches = None if close else each
+                    absum = [{name: np.abs(g) for name, g in gradient.items()} for gradient in each]
                     hypotheses.terms = {name: TermGradients(summed[name], term_windows[name])
                                         for name in term_windows if name in summed}
                 if world.parallel and not close:
@@ -366,17 +369,17 @@ class StackRecorder:
     def _micro_batch_sums(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
                           batches: list[Any]) -> tuple[Gradients, dict[str, Gradients], list[Gradients]]:
         """Over the window's micro-batches, each as a batch of its own: its loss's gradient summed,
-        each term's, and the absolute value of each one's gradient."""
+        each term's, and each one's gradient."""
         total: Gradients = {}
         terms: dict[str, Gradients] = {}
-        absolute: list[Gradients] = []
+        each: list[Gradients] = []
         for batch in batches:
             gradient, term_gradients = self._gradients(module, named, self.join_window([batch]))
             _add(total, gradient)
-            absolute.append({name: np.abs(g) for name, g in gradient.items()})
+            each.append(gradient)
             for name, g in term_gradients.items():
                 _add(terms.setdefault(name, {}), g)
-        return total, terms, absolute
+        return total, terms, each
 
     def _rank_windows(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
                       pending: list[tuple[int, Any]]) -> list[Gradients]:
@@ -420,54 +423,3 @@ def _weighted_absum(absolute: list[Gradients], counts: list[int] | None) -> Grad
     for w, gradient in zip(weights, absolute):
         _add(found, {name: w * g for name, g in gradient.items()})
     return found
-
-
-def predicted_count(batch: Any) -> int | None:
-    """The labels of a Hugging Face batch a causal LM predicts: ``labels[..., 1:]`` that are not
-    -100 (its loss shifts the labels by one, so each sequence's first label is never a target)."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() == 2:
-        return int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return None
-
-
-def join_padded(batches: list[Any]) -> Any:
-    """The micro-batches as one batch: mappings of sequences padded on the right to the longest
-    (``labels`` with -100, which every loss here ignores, anything else with 0: an attention mask
-    of 0 hides the padding), then concatenated along dim 0."""
-    if all(isinstance(b, Mapping) for b in batches):
-        width = {}
-        for b in batches:
-            for key, value in b.items():
-                if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                    width[key] = max(width.get(key, 0), value.shape[1])
-        batches = [{k: _pad(v, width[k], IGNORE_INDEX if k == "labels" else 0) if k in width else v
-                    for k, v in b.items()} for b in batches]
-    return join(batches, None)
-
-
-def join_paired(batches: list[Any]) -> Any:
-    """Preference micro-batches (TRL's DPO collator: 2B rows, the B chosen sequences then the B
-    rejected ones, which the loss pairs by halves) as one batch whose halves stay paired: the
-    chosen rows of every micro-batch, then their rejected rows, padded as ``join_padded`` pads;
-    values of one row a pair (precomputed reference log-probabilities) concatenated."""
-    chosen, rejected, per_pair = [], [], []
-    for batch in batches:
-        rows = batch["input_ids"].shape[0]
-        if rows % 2:
-            raise AccumcheckError(f"stack check: a preference micro-batch has {rows} rows, not a chosen and a rejected "
-                                  "sequence per pair")
-        halves = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
-        chosen.append({k: v[:rows // 2] for k, v in halves.items()})
-        rejected.append({k: v[rows // 2:] for k, v in halves.items()})
-        per_pair.append({k: v for k, v in batch.items() if k not in halves})
-    both = join_padded(chosen + rejected)
-    rest = join(per_pair, None) if per_pair[0] else {}
-    return {**rest, **both}
-
-
-def _pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:
-    if value.shape[1] == width:
-        return value
-    pad = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), fill)
-    return torch.cat([value, pad], dim=1)
