@@ -512,6 +512,81 @@ def example(path: str, *flags: str) -> str:
     return result.stdout
 
 
+def torchrun(path: str, *flags: str, env: dict[str, str] | None = None) -> str:
+    """What an example prints on rank 0 when torchrun starts it on 2 CPU ranks (from its report's
+    first line: a library's start-up chatter before it is left out)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", path, *flags]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", **(env or {})})
+    lines = result.stdout.splitlines()
+    first = next((i for i, line in enumerate(lines) if ", N = " in line), None)
+    if result.returncode not in (0, 1) or first is None:
+        raise RuntimeError(f"torchrun {path} failed:\n{result.stderr[-3000:]}")
+    return "\n".join(lines[first:]) + "\n"
+
+
+def launched(path: str, *flags: str, prefix: str = "") -> str:
+    """The command line a reader types to start ``path`` on 2 ranks."""
+    return " ".join([prefix + "torchrun --nproc_per_node 2", path, *flags]).strip()
+
+
+@group("stacks-parallel", needs="lightning")
+def parallel_stack_figures() -> dict[str, str]:
+    """The data-parallel stacks on 2 CPU ranks: accumcheck stack --world-size 2, and the examples
+    under torchrun (the Trainer's under this environment's transformers: trainer-ddp)."""
+    figures: dict[str, str] = {}
+    for stack, fault in (("loop", "rank-drops-micro-batch"), ("accelerate", "rank-loss-scaled")):
+        args = ["stack", "--stack", stack, "--world-size", "2", "--accum-steps", "2", "--fault", fault]
+        _, out = cli(*args)
+        figures[f"parallel.stack.{stack}.{fault}"] = console("accumcheck " + " ".join(args), out)
+    for name, path, flags in (("ddp-loop", "examples/ddp_loop.py", ()),
+                              ("ddp-loop.forgot", "examples/ddp_loop.py", ("--forget-division",)),
+                              ("ddp-loop.sync", "examples/ddp_loop.py", ("--sync-every-micro-step",)),
+                              ("fsdp2", "examples/fsdp2_loop.py", ()),
+                              ("fsdp2.bf16", "examples/fsdp2_loop.py", ("--bf16-reduce",)),
+                              ("accelerate", "examples/stack_accelerate.py", ()),
+                              ("accelerate.mean", "examples/stack_accelerate.py", ("--mean",))):
+        out = torchrun(path, *flags)
+        figures[f"parallel.{name}"] = console(launched(path, *flags), out)
+        figures[f"parallel.{name}.summary"] = f"`{summary_of(out)}`"
+    figures["parallel.ddp-loop.sync.note"] = "`" + next(
+        line for line in torchrun("examples/ddp_loop.py", "--sync-every-micro-step").splitlines()
+        if line.startswith("DDP all-reduced")) + "`"
+    out = example("examples/stack_lightning.py", "--short-last-window", "--devices", "2")
+    figures["parallel.lightning"] = console("python examples/stack_lightning.py --short-last-window --devices 2", out)
+    return figures
+
+
+@group("trainer-ddp", needs="transformers")
+def trainer_ddp_figures() -> dict[str, str]:
+    """examples/trainer_ddp.py on 2 ranks under this environment's transformers (4.57.6 in the test
+    environment, the current release in the one ci/transformers_releases.sh builds)."""
+    from importlib.metadata import version
+
+    release = version("transformers")
+    figures = {}
+    for name, flags in (("global", ()), ("per-rank", ("--per-rank-tokens",))):
+        out = torchrun("examples/trainer_ddp.py", *flags)
+        figures[f"trainer-ddp.{release}.{name}.summary"] = f"`{summary_of(out)}`"
+        if name == "global":
+            figures[f"trainer-ddp.{release}.{name}"] = console(
+                f"pip install transformers=={release} && " + launched("examples/trainer_ddp.py", *flags), out)
+    return figures
+
+
+@group("deepspeed", needs="deepspeed==0.19.8")
+def deepspeed_figures() -> dict[str, str]:
+    """examples/deepspeed_loop.py on 2 ranks (the environment ci/deepspeed.sh builds)."""
+    figures = {}
+    for name, flags in (("zero2", ()), ("zero1", ("--stage", "1")), ("fault", ("--fault",))):
+        out = torchrun("examples/deepspeed_loop.py", *flags, env={"DS_ACCELERATOR": "cpu"})
+        figures[f"deepspeed.{name}.summary"] = f"`{summary_of(out)}`"
+        if name == "zero2":
+            figures[f"deepspeed.{name}"] = console(launched("examples/deepspeed_loop.py", *flags,
+                                                            prefix="DS_ACCELERATOR=cpu "), out)
+    return figures
+
+
 # ----------------------------------------------------------------------------- benchmarks
 
 
@@ -574,7 +649,8 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 
 def unknown_marks() -> list[str]:
-    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer", "models"}
+    known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer", "models", "parallel",
+                      "trainer-ddp", "deepspeed"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 

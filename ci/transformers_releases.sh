@@ -52,7 +52,7 @@ for venv in "$old" "$new"; do
         echo "FAIL: the documentation's figures of $venv differ from its run"; failed=1
     fi
 done
-if ! "$new/bin/python" ci/figures.py --group trainer-models; then
+if ! "$new/bin/python" ci/figures.py --group trainer-models --group trainer-ddp; then
     echo "FAIL: the documentation's figures of the models under $new differ from its run"; failed=1
 fi
 [ "$failed" -eq 0 ] && echo "transformers_releases: 3 passed, 0 failed" || echo "transformers_releases: FAILED"

@@ -49,9 +49,9 @@ def main(micro_batches: int = 2 * N, devices: int = 1) -> int:
     check = AccumulationCheck()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # Lightning's start-up lines
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1, accumulate_grad_batches=N, gradient_clip_val=0.5,
-                         callbacks=[check], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1,
+                         accumulate_grad_batches=N, gradient_clip_val=0.5, callbacks=[check], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Classifier(), torch.utils.data.DataLoader(batches, batch_size=None))
     report = check.report  # every rank reads it (a collective); rank 0 prints it
     if trainer.global_rank == 0:

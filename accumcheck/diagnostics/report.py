@@ -32,8 +32,10 @@ class DominanceReport:
                f"clip scale {self.clip_coef:.4g}; dominated by:"]
         for e in self.entries:
             share = "non-finite" if math.isnan(e.share) else f"{100 * e.share:.1f}% of the sum of squares"
-            out.append(f"  {e.name}: {share}, norm {e.norm:.4g}, param rms {e.param_rms:.4g}, "
-                       f"largest |grad| {e.largest_value:.4g} at {tuple(e.largest_index)}"
+            # a sharded gradient's rms and largest element are each rank's, not told here
+            whole = "" if math.isnan(e.param_rms) and not e.largest_index else (
+                f", param rms {e.param_rms:.4g}, largest |grad| {e.largest_value:.4g} at {tuple(e.largest_index)}")
+            out.append(f"  {e.name}: {share}, norm {e.norm:.4g}{whole}"
                        + (f", {e.nonfinite} non-finite" if e.nonfinite else ""))
         return out
 

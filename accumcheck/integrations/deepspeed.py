@@ -35,7 +35,6 @@ import os
 import shutil
 import sys
 import warnings
-from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 from ..case.reading import resolve_case
@@ -72,10 +71,6 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     same."""
 
     who = "deepspeed.AccumulationCheck"
-    # how long the ranks wait for each other at the with block's start (a rank without the check
-    # never comes, and is named)
-    agree_timeout_s = 120.0
-
     def __init__(self, engine: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None) -> None:
         deepspeed = stack_library("deepspeed", "DeepSpeed")
@@ -96,7 +91,6 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
         engine = self.engine
         if not self._inside:
             _refuse_mid_window(engine, self.who)
-            self._agree_to_start()
         super().__enter__()
         try:
             self.recorder.unwatch()  # a ZeRO optimizer steps its torch optimizer once per param group: the
@@ -122,22 +116,6 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
                 if saved is not None:
                     saved.restore()
                     self._saved = None
-
-    def _agree_to_start(self) -> None:
-        """Every rank at the with block's start, or AccumcheckError naming the ranks that never came
-        (gloo's monitored barrier; other backends wait at a plain barrier)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        if str(dist.get_backend()) != "gloo":
-            dist.barrier()
-            return
-        try:
-            dist.monitored_barrier(timeout=timedelta(seconds=self.agree_timeout_s), wait_all_ranks=True)
-        except RuntimeError as exc:
-            text = " ".join(str(exc).split())[:200]
-            raise AccumcheckError(f"{self.who}: not every rank entered the check within {self.agree_timeout_s:g} s "
-                                  f"({text}); every rank must run its loop inside `with check:`") from None
 
     def _stepped_at_boundary(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """``engine.step`` that, at an accumulation boundary, first captures the window (on every rank:

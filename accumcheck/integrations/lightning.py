@@ -41,6 +41,7 @@ try:
     from ..run.results import StepPrecision
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
     from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, refresh_copy
+    from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "lightning and PyTorch", "pip install 'accumcheck[lightning]'") from None
 
@@ -79,6 +80,7 @@ class AccumulationCheck(pl.Callback):
         # data parallel: the strategy's DDP buckets are set up for the module's dtypes, so it runs in them,
         # judged against a float64 copy of itself; in one process it runs in float64
         parallel = trainer.world_size > 1
+        World.current().meet("lightning.AccumulationCheck")  # a rank without the callback: named, not waited for
         self._copy = None
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
                                       reference=self._reference if parallel else None,

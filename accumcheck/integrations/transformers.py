@@ -40,6 +40,7 @@ try:
     from ..torch.stacks.batches import join_paired
     from ..torch.stacks.cases import CaseLM, case_examples
     from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, stack_library
+    from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "transformers, accelerate and PyTorch", "pip install 'accumcheck[transformers]'") from None
 
@@ -80,6 +81,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                               "on recorded batches with accumcheck.torch.check, or a Trainer that trains on its data")
     model = trainer.model
     join = join_paired if lineage & PAIRED else None
+    World.current().meet("transformers.check")  # a rank without the check: named, not waited for
     recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join)
     # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
     recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)

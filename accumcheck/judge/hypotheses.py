@@ -127,7 +127,7 @@ def missing_sentence(dropped: list[int], window: int, world_size: int) -> str:
     """What A is when micro-batches at ``dropped`` (positions in the window, every rank's numbered
     i x W + r) never reached the step."""
     where = ", ".join(f"{j}" + (f" (rank {j % world_size})" if world_size > 1 else "") for j in dropped)
-    some, those = ("micro-batch", "that one") if len(dropped) == 1 else ("micro-batches", "those")
-    return (f"the window's gradient without {some} {where} of its {window}: the others weighted as one batch "
-            f"weights them, {those} not at all; its backward never reached this optimizer step (skipped, or its "
-            "gradient zeroed before the step)")
+    some, those = ("micro-batch", "it") if len(dropped) == 1 else ("micro-batches", "them")
+    return (f"not a constant factor: the window's gradient without {some} {where} of its {window}, every other "
+            f"micro-batch weighted as one batch weights it: {some} {where} never reached this optimizer step (the "
+            f"backward of {those} skipped, or the gradient zeroed before the step)")

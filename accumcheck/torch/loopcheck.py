@@ -40,6 +40,7 @@ from ..judge.stack import stack_report
 from ..report import StackReport
 from ..run.results import StepPrecision
 from .stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .stacks.world import World
 from .userbatch import micro_loss
 
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
@@ -56,6 +57,9 @@ class AccumulationCheck:
     ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged."""
 
     who = "accumcheck.torch.AccumulationCheck"
+    # how long the ranks wait for each other at the with block's start (a rank without the check
+    # never comes, and is named)
+    agree_timeout_s = 120.0
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
@@ -96,6 +100,7 @@ class AccumulationCheck:
         if self._inside:
             raise AccumcheckError(f"{self.who}: already inside its with block")
         self._report, self._finished, self._fed, self._synced = None, False, False, []
+        World.current().meet(self.who, self.agree_timeout_s)
         self._schedule = None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict())
         precision = None
         if self.sharded:

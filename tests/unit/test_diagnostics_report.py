@@ -23,6 +23,13 @@ def test_the_report_reads_each_entry_share_norm_and_largest_element():
         "step 0: asked; total gradient norm 0, clip scale 1; dominated by:"]
 
 
+def test_a_sharded_entry_tells_its_share_and_norm_without_whole_tensor_figures():
+    # under FSDP2 or ZeRO each rank holds a shard: no rank knows the whole tensor's rms or largest element
+    report = DominanceReport(step=3, reason="clipped", total_norm=5.0, clip_coef=0.2,
+                             entries=[DominanceEntry("blocks.2.w", 0.999, 4.99, math.nan, [], math.nan, 0)])
+    assert report.lines()[1] == "  blocks.2.w: 99.9% of the sum of squares, norm 4.99"
+
+
 def test_rank_puts_non_finite_norms_first_then_the_largest_shares():
     ranked = rank(["a", "b", "c", "d"], np.array([3.0, 4.0, np.inf, 0.0]), 3)
     assert [i for i, _ in ranked] == [2, 1, 0]

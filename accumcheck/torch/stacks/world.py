@@ -10,6 +10,7 @@ i*W + r, as a ``DistributedSampler`` interleaves a dataset over the ranks. Outsi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -61,6 +62,23 @@ class World:
             raise AccumcheckError(f"stack check: the ranks disagree on {what} ({listed}); every rank must run the "
                                   "same loop with the same check")
         return values[0]
+
+
+    def meet(self, who: str, timeout_s: float = 120.0) -> None:
+        """Every rank at the check's start, or AccumcheckError naming the ranks that never came
+        within ``timeout_s`` (gloo's monitored barrier; other backends wait at a plain barrier): a
+        rank without the check would leave the others waiting in its first collective."""
+        if not self.parallel:
+            return
+        if self.backend != "gloo":
+            torch.distributed.barrier()
+            return
+        try:
+            torch.distributed.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as exc:
+            text = " ".join(str(exc).split())[:200]
+            raise AccumcheckError(f"{who}: not every rank entered the check within {timeout_s:g} s ({text}); every "
+                                  "rank must run the same loop with the same check") from None
 
 
 def _on_cpu(value: Any) -> Any:
