@@ -219,8 +219,8 @@ STACK_MODULES = {
     "accelerate": "accumcheck.integrations.accelerate",
     "lightning": "accumcheck.integrations.lightning",
     "gluon": "accumcheck.integrations.gluon",
-    "loop": "accumcheck.torch.stacks.loops",
-    "fsdp2": "accumcheck.torch.stacks.loops",  # its run_sharded_case
+    "loop": "accumcheck.torch.loopcase",
+    "fsdp2": "accumcheck.torch.loopcase",  # its run_sharded_case
     "deepspeed": "accumcheck.integrations.deepspeed",
 }
 # the stacks that run on several ranks, and how each built-in run is reached

@@ -59,6 +59,7 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     (``accelerate launch``, torchrun), every process runs the check and holds the same report."""
 
     who = "accelerate.AccumulationCheck"
+    restored = "model, optimizer, random states and the accelerator's accumulation state"
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,

@@ -71,6 +71,8 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     same."""
 
     who = "deepspeed.AccumulationCheck"
+    restored = ("module's weights, the optimizer's master weights and state, the loss scaler, the engine's counters "
+                "and the random states")
     def __init__(self, engine: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None) -> None:
         deepspeed = stack_library("deepspeed", "DeepSpeed")

@@ -57,6 +57,7 @@ class AccumulationCheck:
     ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged."""
 
     who = "accumcheck.torch.AccumulationCheck"
+    restored = "model, optimizer and random states"  # what the report says was put back
     # how long the ranks wait for each other at the with block's start (a rank without the check
     # never comes, and is named)
     agree_timeout_s = 120.0
@@ -267,10 +268,10 @@ class AccumulationCheck:
             policy = recorder.precision
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model runs in its dtypes (accumulated "
                          f"in {policy.accumulation}, reduced in {policy.reduction}) against a float64 copy of it; the "
-                         "model, optimizer and random states were put back after the run")
+                         f"{self.restored} were put back after the run")
         else:
-            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in float64; the model, "
-                         "optimizer and random states were put back after the run")
+            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in float64; the "
+                         f"{self.restored} were put back after the run")
         if world.parallel:
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")

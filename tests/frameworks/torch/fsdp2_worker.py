@@ -10,7 +10,7 @@ OUT_DIR/rank-R.json, by scenario (an exception as {"error": ...}). Scenarios:
                    shards (each Linear and Embedding, then the root), beside a float64 copy made before
                    sharding: full_gradient, float64_replica, the model left as it was, refresh
     policy         mixed_precision of models sharded with several MixedPrecisionPolicy
-    case[:FAULT]   accumcheck.torch.stacks.loops.run_sharded_case on padded-tokens, N = 2, 8 micro-batches
+    case[:FAULT]   accumcheck.torch.loopcase.run_sharded_case on padded-tokens, N = 2, 8 micro-batches
 """
 
 import copy
@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from accumcheck.torch.loopcase import run_sharded_case
 from accumcheck.torch.stacks import sharded
-from accumcheck.torch.stacks.loops import run_sharded_case
 
 warnings.filterwarnings("ignore")
 VOCAB = 11

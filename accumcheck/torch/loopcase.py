@@ -21,12 +21,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ...case.reading import resolve_case
-from ...errors import AccumcheckError
-from ...options.spec import stack_command
-from ...report import StackReport
-from ..loopcheck import AccumulationCheck
-from .cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
+from ..case.reading import resolve_case
+from ..errors import AccumcheckError
+from ..options.spec import stack_command
+from ..report import StackReport
+from .loopcheck import AccumulationCheck
+from .stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
 
 LOOP_FAULTS = FAULTS + RANK_FAULTS + ("bfloat16-reduce",)
 
