@@ -16,7 +16,7 @@ venv=${DEEPSPEED_VENV:-.venv-deepspeed}
 log=$(mktemp)
 
 python3 -m venv "$venv" && "$venv/bin/pip" install -q 'torch==2.13.0' 'deepspeed==0.19.8' pytest hypothesis tomli-w \
-    -e . || { echo "deepspeed: could not install deepspeed 0.19.8" >&2; exit 2; }
+    -e '.[diagnostics]' || { echo "deepspeed: could not install deepspeed 0.19.8" >&2; exit 2; }
 # the environment ignores itself (a .gitignore of its own), whatever the repository's .gitignore lists
 [ -f "$venv/.gitignore" ] || echo '*' > "$venv/.gitignore"
 DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider \
