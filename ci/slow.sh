@@ -3,7 +3,8 @@
 # every figure the README and docs/ quote, regenerated from its runs and compared with the text,
 # the heaviest checks of users' own models (every fault on the ResNets and the Llama, the test
 # files of the README and examples/ run as written), the reproduction scripts of every built-in
-# case and fault at the case's own N in both frameworks, torchrun, JAX's every fault on every case
+# case and fault at the case's own N in both frameworks, torchrun, every data-parallel stack and
+# fault of accumcheck stack --world-size 2 not in the default suite, JAX's every fault on every case
 # and three frameworks on every case, the judge's parallel kernel compiled into a fresh cache, and
 # the property tests with the thorough hypothesis profile (10,000 examples per property).
 set -euo pipefail
@@ -13,5 +14,6 @@ cd "$(dirname "$0")/.."
     tests/frameworks/torch/test_user_models.py tests/e2e/test_readme_examples.py \
     tests/frameworks/torch/test_accumulator.py tests/frameworks/torch/test_torch_repro.py \
     tests/frameworks/mxnet/test_mxnet_repro.py tests/frameworks/torch/test_distributed.py \
-    tests/frameworks/jax/test_jax_backend.py tests/frameworks/jax/test_jax_check.py tests/unit/test_kernel.py
+    tests/frameworks/jax/test_jax_backend.py tests/frameworks/jax/test_jax_check.py tests/unit/test_kernel.py \
+    tests/frameworks/torch/test_data_parallel_stacks.py
 .venv/bin/python -m pytest --hypothesis-profile thorough -v -p no:cacheprovider --durations=0 tests/unit/test_properties.py
