@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -77,12 +78,25 @@ def ending_signals() -> Iterator[None]:
             saved[signum] = signal.signal(signum, _raise_terminated)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         saved[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_terminated)
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_terminated(unraisable)
     try:
         yield
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+        sys.unraisablehook = unraisable
         _pending.clear()
+
+
+def _quiet_terminated(hook: Any) -> Any:
+    """``hook``, except for our own Terminated swallowed by a ctypes callback or a finalizer:
+    that one is kept in ``_pending`` and raised again at the run's next step, so its "Exception
+    ignored ... Traceback" would only put a traceback on the user's terminal."""
+    def unraisable(info: Any) -> None:
+        if not isinstance(info.exc_value, Terminated):
+            hook(info)
+    return unraisable
 
 
 # Signals raised as Terminated since ending_signals began (cleared when it ends).
