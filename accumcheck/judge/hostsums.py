@@ -5,10 +5,12 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from .compiled import njit
+
 
 # Serial on purpose: it runs between two backward passes, where waking a second thread pool
 # next to torch's (still spinning) OpenMP threads costs more than the loop itself.
-@numba.njit(cache=True, nogil=True)
+@njit()
 def add_step(grad, manual, exact, absum):
     """One fused pass: manual += grad (in manual's dtype), exact += grad and absum += |grad|
     (in float64). All arrays are flat and of the same length."""
@@ -20,7 +22,7 @@ def add_step(grad, manual, exact, absum):
         absum[i] += abs(wide)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit()
 def add_eight_steps(g0, g1, g2, g3, g4, g5, g6, g7, manual, exact, absum):
     """``add_step`` for eight micro-steps in their order, in one pass: every element's sums take
     the same additions in the same order (bit for bit), but manual, E and S are read and written
@@ -42,7 +44,7 @@ def _float32_at(typingctx, address):
     return types.CPointer(types.float32)(types.int64), codegen
 
 
-@numba.njit(cache=True, nogil=True)
+@njit()
 def add_held(addresses, spans, manual, exact, absum):
     """Held micro-steps into flat manual, E and S in one call: ``addresses[j, k]`` is the address
     of micro-step k's gradient of parameter j, ``spans[j]:spans[j + 1]`` its slice of the flat

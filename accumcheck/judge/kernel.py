@@ -26,6 +26,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from .compiled import njit
+
 _CHUNK = 1 << 20  # elements per chunk: each thread takes whole chunks; few chunks, few new maxima
 _MAX_CHUNKS = 4096
 _BLOCK = 256  # elements per block: four arrays of them stay in L1
@@ -73,7 +75,7 @@ _NMAX = 9  # max_e, max_err_a, max_err_b, ratio_a, ratio_b, max_diff, max_rel, m
 _ROW = 16  # the per-chunk rows' stride, in 8-byte values
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
+@njit(error_model="numpy")
 def _count_differ(a, b):
     """How many elements differ between A and B (in their own dtype)."""
     differ = 0
@@ -82,7 +84,7 @@ def _count_differ(a, b):
     return differ
 
 
-@numba.njit(fastmath={"reassoc", "contract"}, cache=True, nogil=True, error_model="numpy")
+@njit(fastmath={"reassoc", "contract"}, error_model="numpy")
 def _plus_square(total, v):
     # Its own function for its own flags: the multiply-add may fuse here, never in a bound.
     return total + v * v
@@ -93,7 +95,7 @@ def _plus_square(total, v):
 # non-finite A, B or E makes a sum of squares of errors non-finite, and the block is judged again
 # by the scalar loop (so is a finite square that overflows).
 
-@numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
+@njit(fastmath={"reassoc"}, error_model="numpy")
 def _block_equal(a, e, s, rel_a, abs_a, rel_b, abs_b, peaks):
     """A == B over the block: (bad, over_a, over_b, moves, the six sums)."""
     max_e, least_err, r_a, r_b = peaks[0], min(peaks[1], peaks[2]), peaks[3] * SLACK, peaks[4] * SLACK
@@ -117,7 +119,7 @@ def _block_equal(a, e, s, rel_a, abs_a, rel_b, abs_b, peaks):
     return not (t3 < np.inf), over_a, over_b, moves, t0, t1, t2, t3, t3, t5
 
 
-@numba.njit(fastmath={"reassoc"}, cache=True, nogil=True, error_model="numpy")
+@njit(fastmath={"reassoc"}, error_model="numpy")
 def _block_differ(a, b, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision, peaks):
     """A and B may differ in the block: (bad, over_a, over_b, moves, the six sums, classic, differ).
     More than M ulps between x and y of one sign needs |x - y| > M ulp(min(|x|, |y|)) > M min(|x|,
@@ -155,7 +157,7 @@ def _block_differ(a, b, e, s, rel_a, abs_a, rel_b, abs_b, rtol, atol, precision,
     return not (t3 + t4 < np.inf), over_a, over_b, moves, t0, t1, t2, t3, t4, t5, classic, differ
 
 
-@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _ulps(oa, ob, sign_flip):
     """Distance of two bit patterns on the monotonic integer line of their floats."""
     if oa < 0:
@@ -167,13 +169,13 @@ def _ulps(oa, ob, sign_flip):
     return abs(np.float64(oa) - np.float64(ob))  # opposite signs: huge, cannot overflow
 
 
-@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _quotient(d, b):
     """d / b for d > 0 (infinite where b = 0); 0 for d = 0, so that 0 / 0 never counts."""
     return d / b if d > 0.0 else 0.0
 
 
-@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _may_beat(d, r_slack, b):
     """Whether fl(d / b) may exceed r, without a division: ``r_slack`` is r * SLACK. Never False
     when it does (a threshold in the subnormal range, where rounding is not relative, lets any
@@ -183,7 +185,7 @@ def _may_beat(d, r_slack, b):
     return d > (0.0 if t < TINY else t)
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
+@njit(error_model="numpy")
 def _scalar(a, b, a_bits, b_bits, sign_flip, e, s, lo, hi, rel_a, abs_a, rel_b, abs_b, rtol, atol,
             counts, peaks, where, sums, with_sums):
     """The plain loop over [lo, hi): every figure, element by element (maxima always; the sums
@@ -308,8 +310,8 @@ def _renamed(fn, name: str):
 # Compiled twice: across threads, and in this thread for a tensor of one chunk (where waking the
 # thread pool costs more than the work). Both run the same chunks in the same order, so they give
 # the same figures bit for bit.
-_reduce_serial = numba.njit(cache=True, nogil=True, error_model="numpy")(_renamed(_reduce, "_reduce_serial"))
-_reduce = numba.njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_reduce)
+_reduce_serial = njit(error_model="numpy")(_renamed(_reduce, "_reduce_serial"))
+_reduce = njit(parallel=True, error_model="numpy")(_reduce)
 
 # Per dtype of A and B: the integers of their width, the sign bit as such an integer, and 2 ** (the
 # significand's bits), the scale of a units-in-the-last-place distance.
@@ -347,7 +349,7 @@ def combine(counts: np.ndarray, peaks: np.ndarray, where: np.ndarray, sums: np.n
                      top[6], top[7], top[8], *added)
 
 
-@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _map_ratio(d, b):
     """|x - E| / bound as ``ratio.ratios_to`` has it: 0 for 0 / 0, infinite for a NaN distance."""
     if d != d:
@@ -356,7 +358,7 @@ def _map_ratio(d, b):
     return 0.0 if q != q else q
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
+@njit(error_model="numpy")
 def _cell_maxima(a, b, e, s, cols, step_r, step_c, rel_a, abs_a, rel_b, abs_b, cells):
     rows = a.size // cols
     for r in range(rows):
