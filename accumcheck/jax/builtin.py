@@ -15,7 +15,7 @@ from ..run.results import RunResult
 from .casemodel import CaseParams, case_batches, grad_function
 from .devices import resolve_device
 from .engine import MicroSteps, Model, replay, run_model
-from .multisteps import harmonic_note
+from .multisteps import accumulator_note, harmonic_note
 from .multisteps import settings as multisteps_settings
 
 
@@ -75,5 +75,5 @@ def notes(config: RunConfig) -> list[str]:
         notes.append(f"float32 master weights cast to {config.dtype} in the forward: MultiSteps, initialised on "
                      "them, accumulates in float32")
     elif config.dtype != "float32":
-        notes.append(f"MultiSteps' accumulator takes the parameters' dtype ({config.dtype})")
+        notes.append(accumulator_note(config.dtype))
     return notes

@@ -16,12 +16,12 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import enable_x64
 
 from ..run.backend import Progress
 from ..run.faults import Fault
 from ..run.results import ParamAccumulation, RunResult
 from .devices import devices_of
+from .library import enable_x64
 from .multisteps import mean_allowance
 from .passes import accumulate, host_float
 

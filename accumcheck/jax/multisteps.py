@@ -1,8 +1,9 @@
 """Native accumulation in JAX: ``optax.MultiSteps``' own gradient buffer.
 
 MultiSteps(optax.sgd(1.0), every_k_schedule=N) keeps its accumulator in the dtype of the tree
-``init`` was given (the parameters'), and emits ``-1 * acc`` at the N-th call: the negation is
-exact, so the emitted update is the accumulator as MultiSteps computed it.
+``init`` was given (the parameters') in optax 0.2.1, in float32 (its ``accumulator_dtype``
+default) in later releases such as 0.2.8; ``accumulator_dtype`` asks the installed optax. It emits ``-1 * acc`` at the N-th
+call: the negation is exact, so the emitted update is the accumulator as MultiSteps computed it.
 
 With ``use_grad_mean`` (optax's default) the accumulator is a running mean,
 ``acc + (g - acc) / (k + 1)``: three roundings a micro-step where a running sum takes one. It is
@@ -15,6 +16,7 @@ higher-order terms, as the native bound's allowance in units of u.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..run.faults import Fault, FaultInjector
-from .library import optax
+from .library import enable_x64, optax
 
 
 def mean_allowance(accum_steps: int) -> float:
@@ -30,6 +32,22 @@ def mean_allowance(accum_steps: int) -> float:
     harmonic = sum(1.0 / k for k in range(1, accum_steps))
     power_of_two = accum_steps & (accum_steps - 1) == 0
     return 3.0 + 3.0 * harmonic + (0.0 if power_of_two else 1.0)
+
+
+def accumulator_dtype(param_dtype: str) -> str:
+    """The dtype the installed optax's MultiSteps accumulates gradients of ``param_dtype`` in."""
+    with enable_x64() if param_dtype == "float64" else contextlib.nullcontext():
+        state = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=1).init({"p": jnp.zeros((1,), param_dtype)})
+        return np.dtype(state.acc_grads["p"].dtype).name
+
+
+def accumulator_note(param_dtype: str) -> str:
+    """The report's note on where MultiSteps accumulates, for parameters not float32."""
+    found = accumulator_dtype(param_dtype)
+    if found == param_dtype:
+        return f"MultiSteps' accumulator takes the parameters' dtype ({param_dtype})"
+    return (f"MultiSteps' accumulator is {found} (optax's accumulator_dtype default), not the parameters' "
+            f"{param_dtype}: native rounds every micro-step to {found}")
 
 
 def to_bfloat16(value: Any) -> Any:

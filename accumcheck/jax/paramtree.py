@@ -10,11 +10,11 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import enable_x64
 
 from ..case.definition import infer_kind
 from ..errors import USER_EXCEPTIONS, AccumcheckError, UserCodeError, first_line
 from .devices import device_name
+from .library import enable_x64
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 

@@ -15,10 +15,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import enable_x64
 
 from ..run.backend import Progress
-from .library import DTYPES
+from .library import DTYPES, enable_x64
 from .multisteps import MultiStepsNative
 
 # micro_step(k) -> (loss, grads): micro-step k's loss and its gradient, a dict of name -> array

@@ -35,7 +35,7 @@ from ..run.usermodel import Batch, batch_source, host_random_states
 from .devices import check_device
 from .engine import Model, gradient, replay, run_model
 from .library import versions
-from .multisteps import harmonic_note, settings
+from .multisteps import accumulator_note, harmonic_note, settings
 from .paramtree import ParamTree
 from .usercode import LossFn, check_loss, guarded, oracle_guarded
 
@@ -63,7 +63,7 @@ def check(params: Any, loss_fn: LossFn | None = None, batches: Batches | None = 
     ``batches`` is a sequence or iterable (the first ``accum_steps`` are used; default all) or a
     function of the micro-step index; each batch is passed to ``loss_fn`` as it is. ``params``'
     arrays may be float32, bfloat16, float16 or float64 (mixed: each judged by its own dtype);
-    float64 ones run under ``jax.experimental.enable_x64()`` for the check only.
+    float64 ones run under JAX's x64 mode (``jax.enable_x64``) for the check only.
 
     It takes the call shape every framework's check shares (``accumcheck.run.checkargs``) and
     honours ``device``, ``oracle``, ``inject``, ``force`` and ``progress``; ``step``, ``mode``
@@ -147,7 +147,7 @@ def _notes(tree: ParamTree, steps: int, jit: bool, grad_mean: bool) -> list[str]
         notes.append("mixed parameter dtypes (" + ", ".join(f"{counts[d]} {d}" for d in sorted(counts))
                      + "), each judged by its own; MultiSteps' accumulator keeps each parameter's dtype")
     elif tree.param_dtype != "float32":
-        notes.append(f"MultiSteps' accumulator takes the parameters' dtype ({tree.param_dtype})")
+        notes.append(accumulator_note(tree.param_dtype))
     if tree.accum_dtype == "float64":
-        notes.append("float64 parameters: the check ran in JAX's x64 mode (jax.experimental.enable_x64)")
+        notes.append("float64 parameters: the check ran in JAX's x64 mode (jax.enable_x64)")
     return notes

@@ -17,6 +17,7 @@ from attribution_checks import assert_explained  # noqa: E402
 
 import accumcheck  # noqa: E402
 import accumcheck.jax  # noqa: E402
+from accumcheck.jax.multisteps import accumulator_dtype  # noqa: E402
 from accumcheck.options.choices import FAULT_KINDS
 
 N = 16
@@ -134,6 +135,10 @@ def test_the_roundoff_control_is_not_flagged():
 
 def test_bfloat16_parameters_lose_precision_in_multisteps_and_the_float32_buffer_keeps_it():
     report = accumcheck.jax.check(mlp_params(jnp.bfloat16), mlp_loss, mlp_batches())
+    if accumulator_dtype("bfloat16") != "bfloat16":  # a later optax sums in float32, emits the sum cast to bfloat16
+        assert report.exit_code == 1 and set(verdicts(report).values()) == {"precision-loss"}, verdicts(report)
+        assert any("accumulator is float32" in note for note in report.notes)
+        return
     assert report.param_dtype == "bfloat16" and report.accum_dtype == "float32" and report.exit_code == 1
     assert set(verdicts(report).values()) == {"precision-loss"}, verdicts(report)
     for t in report.tensors:
@@ -165,8 +170,11 @@ def test_float64_parameters_run_in_x64_mode_for_the_check_only():
     before = snapshot(params)
     report = accumcheck.jax.check(params, mlp_loss, mlp_batches(), inject="scale:params.Dense_0.kernel", oracle=True)
     assert report.param_dtype == "float64" and report.accum_dtype == "float64"
-    assert flagged(report) == ["params.Dense_0.kernel"]
-    assert_explained(report.flagged[0], "scale", N)
+    if accumulator_dtype("float64") == "float64":  # optax 0.2.1: MultiSteps accumulates in the parameters' dtype
+        assert flagged(report) == ["params.Dense_0.kernel"]
+        assert_explained(report.flagged[0], "scale", N)
+    else:  # later optax accumulates float64 gradients in float32: every tensor is off by float32's round-off
+        assert sorted(flagged(report)) == sorted(verdicts(report)) and any("accumulator is float32" in n for n in report.notes)
     assert jax.config.jax_enable_x64 is False and jnp.asarray(np.zeros(1)).dtype == jnp.float32
     assert snapshot(params) == before
 
@@ -344,7 +352,9 @@ def test_a_loss_that_draws_random_numbers_leaves_both_generators_params_and_x64_
     np.random.seed(1)
     before, held = _host_states(), snapshot(params)
     if fails is None:
-        assert accumcheck.jax.check(params, loss_fn, SMALL_BATCHES, **kwargs).exit_code == 0
+        # a later optax's MultiSteps accumulates float64 gradients in float32, which the check flags
+        narrowed = path == "float64 params" and accumulator_dtype("float64") != "float64"
+        assert accumcheck.jax.check(params, loss_fn, SMALL_BATCHES, **kwargs).exit_code == (1 if narrowed else 0)
     else:
         with pytest.raises(accumcheck.UserCodeError, match="raised ValueError on micro-batch 5: micro-batch 5 is bad"):
             accumcheck.jax.check(params, loss_fn, SMALL_BATCHES, **kwargs)
