@@ -20,6 +20,7 @@ import numpy as np
 from ..report import FullBatchResult, TermFit
 from ..report.single import factor_text
 from ..run.results import FullBatchGap, Hypotheses
+from .candidates import Candidate, factor_candidates, run_figures
 from .hypotheses import micro_sum_fit, missing_micro_batches, missing_sentence, rank_fit, term_fits
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
@@ -60,24 +61,15 @@ class FactorFit:
         return self.spread <= FACTOR_TOLERANCE and self.residual <= FACTOR_TOLERANCE  # both infinite without c
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A number of the run that a constant factor may equal, and what it means when it does."""
-
-    name: str
-    value: float
-    where: str  # the run's figures, e.g. "N = 4"
-    reason: str
-
-
 def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
-                       micro_batches: int | None = None) -> FullBatchResult:
+                       micro_batches: int | None = None, contexts: int = 1) -> FullBatchResult:
     """Whether ``gap``'s accumulated gradient is the full batch's (within SEMANTIC_TOLERANCE of its
     largest element), and, where not, the factor between them and what it matches, or what else
     explains it (``gap.hypotheses``: the loss's additive terms, each micro-batch's own loss, the
     modules that compute over the batch). ``micro_batches`` is how many micro-batches the window
     held, where that may be fewer than ``accum_steps`` (a training stack's last window); in a
-    data-parallel run of ``world_size`` ranks, per rank."""
+    data-parallel run of ``world_size`` ranks, per rank. ``contexts``: the devices one process
+    split each micro-batch across (``candidates.factor_candidates``)."""
     difference, worst = largest_difference(gap.accumulated, gap.full)
     fit = fit_factor(gap.accumulated, gap.full)
     # A = F on every tensor within FACTOR_TOLERANCE, not within SEMANTIC_TOLERANCE: parts of the
@@ -86,9 +78,10 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     rounded = fit.constant and abs(fit.factor - 1.0) <= FACTOR_TOLERANCE
     equivalent = difference <= SEMANTIC_TOLERANCE or rounded
     constant = not equivalent and fit.constant
-    candidates = factor_candidates(accum_steps, world_size, gap.item_counts, micro_batches, gap.predicted_counts)
+    candidates = factor_candidates(accum_steps, world_size, gap.item_counts, micro_batches, gap.predicted_counts,
+                                   contexts)
     match = matching(fit.factor, candidates) if constant else None
-    figures = run_figures(accum_steps, world_size, gap.item_counts)
+    figures = run_figures(accum_steps, world_size, gap.item_counts, contexts)
     factors = list(fit.tensor_factors.values())
     h = gap.hypotheses
     window = (micro_batches or accum_steps) * world_size  # the micro-batches of every rank
@@ -96,7 +89,7 @@ def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
     micro = None if equivalent or terms is not None else micro_sum_fit(gap.accumulated, h, fit.silent)
     ranks = None if equivalent or terms is not None else rank_fit(gap.accumulated, h, fit.silent)
     rest = None if equivalent or h.rest is None else full_batch_verdict(h.rest, accum_steps, world_size,
-                                                                         micro_batches)
+                                                                         micro_batches, contexts)
     batch_level = terms is not None and _only_batch_level(*terms)
     result = FullBatchResult(
         normalisation=gap.normalisation, accumulated_scaled_by=gap.accumulated_scaled_by,
@@ -313,67 +306,12 @@ def silent_tensors(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarra
             and (f_top[name] > 0 or a_top[name] > 0)]
 
 
-def factor_candidates(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None,
-                      micro_batches: int | None = None, predicted_counts: list[int] | None = None) -> list[Candidate]:
-    """The run's numbers a constant factor may be, most common first (a value of 1 says nothing).
-    ``predicted_counts`` are the labels a causal language model predicts per micro-batch (after
-    its shift, which drops each sequence's first label), where they differ from ``item_counts``."""
-    n, w, k = accum_steps, world_size, micro_batches
-    ns = f"N = {n}"
-    short = f"k = {k} micro-batches in a window of N = {n}"  # a window shorter than N, the run's last
-    found = [Candidate("k/N", k / n, short, "the short window's losses are divided by N, not by the k micro-batches "
-                       "it holds"),
-             Candidate("k", k, short, "the short window's micro-batch losses are summed without dividing by k")
-             ] if k is not None and k != n else []
-    found += [Candidate("N", n, ns, "the micro-batch losses are summed without dividing by N"),
-              Candidate("1/N", 1 / n, ns, "the loss is divided by N once more than the loss normalisation needs"),
-              Candidate("N^2", n * n, ns, "the loss is multiplied by N where the normalisation divides by N"),
-              Candidate("1/N^2", 1 / (n * n), ns, "the loss is divided by N twice more than the loss normalisation "
-                        "needs")]
-    if w > 1:
-        both = f"N = {n}, W = {w}"
-        found += [Candidate("W", w, f"W = {w}", "the ranks' gradients are summed where the all-reduce averages them"),
-                  Candidate("1/W", 1 / w, f"W = {w}", "the gradient is divided by the world size once more than the "
-                            "all-reduce's average needs"),
-                  Candidate("N*W", n * w, both, "the losses are summed over the micro-batches and the ranks without "
-                            "dividing by either"),
-                  Candidate("1/(N*W)", 1 / (n * w), both, "the loss is divided by N x W once more than the loss "
-                            "normalisation needs")]
-    total = sum(item_counts or ())
-    if total > 0:
-        found += [Candidate("T", total, f"T = {total} items in the window", "the loss sums over the items where the "
-                            "full batch averages over them"),
-                  Candidate("1/T", 1 / total, f"T = {total} items in the window", "the loss is divided by the "
-                            "window's item count where the full batch sums over the items"),
-                  # the items of a micro-batch when all hold the same count (their mean otherwise)
-                  Candidate("T/N", total / n, f"T = {total} items, N = {n}", "each micro-batch's loss sums over its "
-                            "items and the accumulated sum is divided by N, where the full batch averages over the "
-                            "items")]
-        predicted = sum(predicted_counts or ())
-        if predicted > 0:  # equal to the total: a factor of 1, left out below
-            found.append(Candidate("predicted/labelled", predicted / total, f"{predicted} predicted of {total} "
-                                   "labelled tokens", "the loss is divided by the labelled tokens counted before the "
-                                   "causal shift, which leaves each sequence's first label out of the loss "
-                                   "(transformers#46204)"))
-    if total > 0 and min(item_counts) > 0:
-        found.append(Candidate("largest/smallest items", max(item_counts) / min(item_counts),
-                               f"items per micro-batch {min(item_counts)} to {max(item_counts)}",
-                               "the largest micro-batch's item count over the smallest's"))
-    return [c for c in found if c.value != 1]
-
-
 def matching(factor: float | None, candidates: list[Candidate]) -> Candidate | None:
     """The first candidate ``factor`` equals within FACTOR_TOLERANCE (relative), or None."""
     for candidate in candidates:
         if factor is not None and abs(factor - candidate.value) <= FACTOR_TOLERANCE * candidate.value:
             return candidate
     return None
-
-
-def run_figures(accum_steps: int, world_size: int = 1, item_counts: list[int] | None = None) -> str:
-    """The numbers the candidates are made of, e.g. "N = 4, T = 183 items"."""
-    return f"N = {accum_steps}" + (f", W = {world_size}" if world_size > 1 else "") + (
-        f", T = {sum(item_counts)} items" if item_counts else "")
 
 
 def explain(equivalent: bool, fit: FactorFit, match: Candidate | None, candidates: list[Candidate],

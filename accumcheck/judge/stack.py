@@ -78,7 +78,8 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
                        accumulated=window.applied, full=window.window, item_counts=window.item_counts,
                        predicted_counts=window.predicted_counts, hypotheses=h)
     # a window of k micro-batches over W ranks is N per rank where full: N = k / W
-    result = full_batch_verdict(gap, accum_steps, world, micro_batches=len(window.micro_batches) // world or None)
+    result = full_batch_verdict(gap, accum_steps, world, micro_batches=len(window.micro_batches) // world or None,
+                                contexts=window.contexts)
     precision = None
     if window.precision is not None and window.absum is not None:
         precision = precision_fit(window, accum_steps)

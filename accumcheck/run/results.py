@@ -171,5 +171,6 @@ class StackWindow:
     predicted_counts: list[int] | None = None  # of those, the ones a causal LM predicts (after its shift)
     hypotheses: Hypotheses = field(default_factory=Hypotheses)
     world_size: int = 1  # ranks whose micro-batches the window holds (micro-batch i came from rank i % W)
+    contexts: int = 1  # devices each micro-batch was split across in one process (Gluon contexts under a kvstore)
     precision: StepPrecision | None = None  # where the stack does not apply its gradient in float64
     absum: dict[str, np.ndarray] | None = None  # with precision: sum of |micro-batch gradients|, the round-off scale

@@ -9,7 +9,7 @@ import pytest
 
 from accumcheck.case.reading import builtin_case
 from accumcheck.judge import FACTOR_TOLERANCE, build_report, full_batch_verdict
-from accumcheck.judge.fullbatch import factor_candidates, run_figures
+from accumcheck.judge.candidates import factor_candidates, run_figures
 from accumcheck.render.markdown import markdown
 from accumcheck.render.wording import full_batch_line, summary_line
 from accumcheck.report import FullBatchResult
