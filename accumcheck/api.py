@@ -223,8 +223,10 @@ STACK_MODULES = {
     "fsdp2": "accumcheck.torch.loopcase",  # its run_sharded_case
     "deepspeed": "accumcheck.integrations.deepspeed",
 }
-# the stacks that run on several ranks, and how each built-in run is reached
+# the stacks that run on several ranks, and how each built-in run is reached; and the one that runs data
+# parallel inside one process (Gluon: several contexts under a kvstore)
 PARALLEL_STACKS = ("transformers", "accelerate", "lightning", "loop", "fsdp2", "deepspeed")
+IN_PROCESS_PARALLEL = ("gluon",)
 
 
 def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: int | None = None,
@@ -232,7 +234,8 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
     """A built-in case (or case file) run through a training stack ("transformers",
     "accelerate", "lightning", "gluon") as a user would write it, every optimizer step judged
     against its window as one batch; ``fault`` breaks the loop on purpose ("micro-batch-mean",
-    "loss-over-n", and for gluon "step-per-micro-batch"). Returns a StackReport. A run that
+    "loss-over-n", and for gluon "step-per-micro-batch" and, with ``world_size`` contexts,
+    "step-per-context-batch"). Returns a StackReport. A run that
     needs more memory than is available is refused before it starts, with the estimate
     (``accumcheck.run.resources.estimate_stack``), unless ``force``."""
     if stack not in STACKS:
@@ -243,12 +246,12 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
             raise AccumcheckError(f"{name} {value}: give a positive whole number")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise AccumcheckError(f"--world-size {world_size}: give a positive whole number")
-    if world_size > 1 and stack not in PARALLEL_STACKS:
+    if world_size > 1 and stack not in PARALLEL_STACKS + IN_PROCESS_PARALLEL:
         raise AccumcheckError(f"--stack {stack} with --world-size: runs in one process here; use one of "
-                              f"{', '.join(PARALLEL_STACKS)}, or leave --world-size out")
+                              f"{', '.join(PARALLEL_STACKS + IN_PROCESS_PARALLEL)}, or leave --world-size out")
     steps = accum_steps or resolved.accum_steps
     check_stack_resources(estimate_stack(resolved, steps, batches), force=force)
-    if world_size > 1 and launched_world_size() is None:  # started from a shell: torchrun runs the ranks
+    if world_size > 1 and launched_world_size() is None and stack in PARALLEL_STACKS:  # torchrun runs the ranks
         if not isinstance(case, (str, Path)):
             raise AccumcheckError("stack with world_size > 1: pass the case by name or file, which every rank reads")
         from .torch.stacks.launch import launch
@@ -258,7 +261,7 @@ def stack(stack: str, case: str | Path | Case = "padded-tokens", accum_steps: in
         return launch(arguments, world_size)
     module = importlib.import_module(STACK_MODULES[stack])  # imports the stack's framework
     run_case = getattr(module, "run_sharded_case" if stack == "fsdp2" else "run_case")
-    if stack in PARALLEL_STACKS:
+    if stack in PARALLEL_STACKS + IN_PROCESS_PARALLEL:
         return run_case(resolved, steps, batches, fault, world_size=world_size)
     return run_case(resolved, steps, batches, fault)
 

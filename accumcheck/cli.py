@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run even where the run's memory estimate exceeds what is available")
     stack.add_argument("--world-size", type=_accum_steps().from_text, metavar="W",
                        help="run data-parallel on W CPU ranks started by torchrun (default: 1, or the job's under "
-                            "torchrun); each step's window is every rank's micro-batches")
+                            "torchrun); each step's window is every rank's micro-batches. gluon: W CPU contexts "
+                            "in this process, the gradients summed by a kvstore 'local'")
     stack.add_argument("--format", choices=("table", "json", "markdown"), default="table", help="output format (default: %(default)s)")
     stack.add_argument("--output", metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
 

@@ -554,6 +554,18 @@ def parallel_stack_figures() -> dict[str, str]:
     return figures
 
 
+@group("gluon-contexts", needs="mxnet")
+def gluon_contexts_figures() -> dict[str, str]:
+    """The Gluon Trainer on 2 CPU contexts under a kvstore 'local': the stack command and the example."""
+    args = ["stack", "--stack", "gluon", "--world-size", "2", "--accum-steps", "4", "--batches", "8", "--fault",
+            "step-per-context-batch"]
+    _, out = cli(*args)
+    figures = {"gluon-contexts.stack.fault": console("accumcheck " + " ".join(args), out)}
+    for name, flags in (("faithful", ()), ("per-context", ("--per-context",))):
+        figures[f"gluon-contexts.{name}.summary"] = f"`{summary_of(example('examples/gluon_contexts.py', *flags))}`"
+    return figures
+
+
 @group("trainer-ddp", needs="transformers")
 def trainer_ddp_figures() -> dict[str, str]:
     """examples/trainer_ddp.py on 2 ranks under this environment's transformers (4.57.6 in the test
@@ -648,7 +660,7 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 def unknown_marks() -> list[str]:
     known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer", "models", "parallel",
-                      "trainer-ddp", "deepspeed"}
+                      "trainer-ddp", "deepspeed", "gluon-contexts"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 

@@ -26,8 +26,14 @@ scale when the loop computes what one batch would.
 Afterwards the block and the Trainer are as found, also when the loop raises: the very parameter
 and gradient arrays (the float64 run works on copies), dtypes, ``grad_req``, auxiliary states,
 Dropout rates, the optimizer's states, update counts and learning-rate schedule, ``trainer.step``.
-Supported: one context and no kvstore (a Trainer on one device), ``trainer.step`` (a loop that
-calls ``allreduce_grads()`` and ``update()`` itself is not captured), no deferred initialisation.
+Several contexts (data parallel in one process): record each micro-batch whole, before
+``split_and_load``; the applied gradient is every context's gradient summed, as the kvstore (or
+``allreduce_grads``) sums them, and the reference runs on the first context. The float64 run uses a
+kvstore of its own, of the Trainer's kind, initialised from the float64 copies (with
+``update_on_kvstore``, its optimizer states copied from the Trainer's kvstore); the Trainer's own
+kvstore is set aside untouched and comes back afterwards. Refused in one line: a distributed
+kvstore (``dist_*``), row_sparse weights or gradients, deferred initialisation. Supported:
+``trainer.step`` (a loop that calls ``allreduce_grads()`` and ``update()`` itself is not captured).
 
 A loop that judged nothing does not pass: ``report`` raises NothingJudgedError where no micro-batch
 was recorded (the loop never called ``check.record``, or the block ran no loop), and
@@ -37,8 +43,6 @@ the report would otherwise pass.
 
 from __future__ import annotations
 
-import copy
-import random
 from typing import Any, Callable
 
 import numpy as np
@@ -55,14 +59,13 @@ from . import missing
 try:
     from mxnet import autograd
 
-    from ..mxnet.blockstate import AuxState, clear_cached_ops, layers_for_check, unique_params
     from ..mxnet.casemodel import build_block
     from ..mxnet.library import mx
+    from ..mxnet.trainerstate import DTYPE, Float64Run
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "MXNet", "pip install 'accumcheck[mxnet]'") from None
 
-FAULTS = ("step-per-micro-batch", "loss-over-n")
-DTYPE = "float64"
+FAULTS = ("step-per-micro-batch", "loss-over-n", "step-per-context-batch")
 
 
 class AccumulationCheck:
@@ -99,7 +102,8 @@ class AccumulationCheck:
         self.unrecorded: list[int] = []  # of those, the ones with no micro-batch recorded since the step before
         self._pending: list[tuple[int, list[Any]]] = []
         self._per_sample: bool | None = None
-        self._state: _Float64Run | None = None
+        self._contexts, self._kvstore, self._context_names = 1, None, []
+        self._state: Float64Run | None = None
         self._finished = False
 
     @property
@@ -110,7 +114,9 @@ class AccumulationCheck:
     def __enter__(self) -> AccumulationCheck:
         if self._state is not None:
             raise AccumcheckError("AccumulationCheck: this check is already active; use one `with check:` at a time")
-        self._state = _Float64Run(self.net, self.trainer)
+        self._state = Float64Run(self.net, self.trainer)
+        self._contexts, self._kvstore = len(self._state.contexts), self._state.kvstore
+        self._context_names = [str(c) for c in self._state.contexts]
         self._state.enter()
         self._original_step = self.trainer.__dict__.get("step")
         step = self.trainer.step
@@ -169,6 +175,11 @@ class AccumulationCheck:
                                   if self._per_sample is not False else "the scalar loss of the window as one batch"),
                  "parameters, gradients, optimizer states and Python's and NumPy's random states restored "
                  "afterwards"]
+        if self._contexts > 1 or self._kvstore is not None:
+            notes.append(f"{self._contexts} context{'s' * (self._contexts != 1)} ({', '.join(self._context_names)})"
+                         + (f", kvstore {self._kvstore!r}" if self._kvstore else "") + ": the applied gradient is "
+                         "every context's gradient summed, as the kvstore sums them; the reference runs the window "
+                         f"on {self._context_names[0]}")
         if self.steps is not None:
             notes.append(f"checked the first {self.steps} optimizer step{'s' * (self.steps != 1)} only")
         record = "x, y = check.record(x, y)" if self.loss_fn is not None else "x = check.record(x)"
@@ -185,7 +196,8 @@ class AccumulationCheck:
         they were afterwards."""
         params = self._state.trained
         scale = self.trainer._scale / batch_size  # what Trainer.step makes the optimizer's rescale_grad
-        applied = {p.name: p.grad().asnumpy().astype(np.float64) * scale for p in params}
+        # Summed over the contexts as the kvstore (or Trainer.allreduce_grads) sums them before the update.
+        applied = {p.name: sum(g.asnumpy().astype(np.float64) for g in p.list_grad()) * scale for p in params}
         window, self._pending = self._pending, []
         indices, batches = [i for i, _ in window], [b for _, b in window]
         joined = [mx.nd.concat(*parts, dim=0) if parts[0].ndim else parts[0] for parts in zip(*batches)]
@@ -201,144 +213,10 @@ class AccumulationCheck:
             self._per_sample = loss.size > 1
             loss.backward()
             total = loss.shape[0] if self._per_sample else 1
-            full = {p.name: p.grad().asnumpy().astype(np.float64) / total for p in params}
+            full = {p.name: p.grad(self._state.ctx).asnumpy().astype(np.float64) / total for p in params}
         counts = [int(b[0].shape[0]) for b in batches] if self._per_sample else None
         self.windows.append(StackWindow(step=len(self.windows), micro_batches=indices, applied=applied, window=full,
-                                        item_counts=counts))
-
-
-class _Float64Run:
-    """The net and the Trainer in float64 between ``enter`` and ``exit``, and put back as found."""
-
-    def __init__(self, net: Any, trainer: Any) -> None:
-        params, _ = unique_params(net)
-        deferred = [name for name, p in params.items() if p._data is None]
-        if deferred:
-            raise AccumcheckError(f"AccumulationCheck: parameter {deferred[0]!r} is not initialised yet (deferred "
-                                  "initialisation); call net.initialize() and run one forward pass before the check")
-        contexts = {str(c) for p in params.values() for c in p.list_ctx()}
-        if len(contexts) != 1 or len(trainer._contexts) != 1 or _uses_kvstore(trainer):
-            raise AccumcheckError("AccumulationCheck: the net or trainer spans several contexts or a kvstore; "
-                                  "the check supports a Trainer on one device (kvstore='device' or None)")
-        ours = {id(p) for p in params.values()}
-        strangers = [p.name for p in trainer._params if id(p) not in ours]
-        if strangers:
-            raise AccumcheckError(f"AccumulationCheck: the trainer updates {strangers[0]!r}, which is not a parameter "
-                                  "of net; pass the net whose parameters the trainer holds")
-        self.net, self.trainer, self.params = net, trainer, list(params.values())
-        self.ctx = self.params[0].list_ctx()[0]
-        self.trained = [p for p in trainer._params if p.grad_req != "null"]
-        self.with_grad = [p for p in self.params if p.grad_req != "null"]
-
-    def enter(self) -> None:
-        self.random_states = random.getstate(), np.random.get_state()  # the loop's draws are undone on exit
-        self.saved = [(p, p._data, p._grad, p._dtype) for p in self.params]
-        self.optimizer = _OptimizerState(self.trainer, self.params)
-        self.layers = layers_for_check(self.net, train_mode=False)
-        self.layers.__enter__()
-        try:
-            self.net.cast(DTYPE)
-            for p in self.params:  # a Parameter outside the net's children is cast too (shared ones)
-                if np.dtype(p.dtype) != np.float64:
-                    p.cast(DTYPE)
-            self.optimizer.widen()
-        except BaseException:
-            self.exit()
-            raise
-
-    def exit(self) -> None:
-        try:
-            for p, data, grad, dtype in self.saved:
-                p._data, p._grad, p._dtype = data, grad, dtype
-                if grad is not None:
-                    autograd.mark_variables(data, grad, p.grad_req)
-            self.optimizer.restore()
-        finally:
-            self.layers.__exit__(None, None, None)
-            clear_cached_ops(self.net)
-            random.setstate(self.random_states[0])
-            np.random.set_state(self.random_states[1])
-
-    def loop_kept(self) -> _LoopKept:
-        """Around the reference pass: the loop's gradients, fresh-gradient flags and auxiliary
-        states as they were."""
-        return _LoopKept(self.params)
-
-
-class _LoopKept:
-    def __init__(self, params: list[Any]) -> None:
-        self.params = params
-
-    def __enter__(self) -> None:
-        self.grads = [(p, [g.copy() for g in p.list_grad()]) for p in self.params if p.grad_req != "null"]
-        self.aux = AuxState({p.name: p for p in self.params if p.grad_req == "null"})
-        self.fresh = [(d, d._fresh_grad) for p in self.params if p.grad_req != "null" for d in p.list_data()]
-
-    def __exit__(self, *exc: object) -> None:
-        for p, values in self.grads:
-            for target, value in zip(p.list_grad(), values):
-                target[:] = value
-        self.aux.restore()
-        for data, fresh in self.fresh:
-            data._fresh_grad = fresh
-
-
-class _OptimizerState:
-    """The Trainer's optimizer as found: its attributes, update counts, learning-rate schedule,
-    each updater's states (float64 copies during the run) and the Trainer's kvstore bookkeeping."""
-
-    TRAINER_FIELDS = ("_kv_initialized", "_kvstore", "_update_on_kvstore", "_distributed", "_params_to_init")
-
-    def __init__(self, trainer: Any, params: list[Any]) -> None:
-        self.trainer = trainer
-        self.opt = opt = trainer._optimizer
-        self.fields = dict(vars(opt))
-        self.counts = {device: dict(counts) for device, counts in opt._all_index_update_counts.items()}
-        self.schedule = copy.deepcopy(vars(opt.lr_scheduler)) if opt.lr_scheduler is not None else None
-        self.updaters = [(u, u.states, u.states_synced) for u in trainer._updaters]
-        self.trainer_fields = {f: copy.copy(getattr(trainer, f)) for f in self.TRAINER_FIELDS}
-        self.half = {i for i, p in enumerate(trainer._params) if np.dtype(p.dtype) == np.float16}
-
-    def widen(self) -> None:
-        """Each updater gets float64 copies of its states (the originals stay untouched)."""
-        for updater, states, synced in self.updaters:
-            master = self.opt.multi_precision
-            updater.states = {i: _wide_state(s[1] if master and i in self.half and isinstance(s, tuple) else s)
-                              for i, s in states.items()}
-            updater.states_synced = dict(synced)
-
-    def restore(self) -> None:
-        opt = self.opt
-        vars(opt).clear()
-        vars(opt).update(self.fields)
-        every = opt._all_index_update_counts  # device -> {index: count}; _index_update_count is one of them
-        for device in [d for d in every if d not in self.counts]:
-            del every[device]
-        for device, saved in self.counts.items():
-            every[device].clear()
-            every[device].update(saved)
-        if self.schedule is not None:
-            vars(opt.lr_scheduler).clear()
-            vars(opt.lr_scheduler).update(self.schedule)
-        for updater, states, synced in self.updaters:
-            updater.states, updater.states_synced = states, synced
-        for name, value in self.trainer_fields.items():
-            setattr(self.trainer, name, value)
-
-
-def _uses_kvstore(trainer: Any) -> bool:
-    if trainer._kv_initialized:
-        return trainer._kvstore is not None
-    kind = trainer._kvstore_params["kvstore"]
-    return kind is not None and (not isinstance(kind, str) or "dist" in kind)
-
-
-def _wide_state(state: Any) -> Any:
-    if isinstance(state, mx.nd.NDArray):
-        return state.astype(DTYPE) if np.issubdtype(state.dtype, np.floating) else state.copy()
-    if isinstance(state, (tuple, list)):
-        return type(state)(_wide_state(s) for s in state)
-    return state
+                                        item_counts=counts, contexts=len(self._state.contexts)))
 
 
 def _wide(value: Any, ctx: Any, position: int) -> Any:
@@ -373,12 +251,17 @@ def case_loss_fn(case: Any) -> Callable[[Any, Any], Any]:
     return loss_fn
 
 
-def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None) -> StackReport:
+def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None,
+             world_size: int = 1) -> StackReport:
     """A built-in case (or a Case, or a case file) through a plain Gluon loop under
     AccumulationCheck: ``batches`` micro-batches (default 2N + 2, so the last window is short and
-    stepped with ``trainer.step(k * b)``), ``grad_req='add'``, sgd. ``fault``: None,
-    "step-per-micro-batch" (``trainer.step(b)`` instead of ``N * b``) or "loss-over-n" (the
-    loss divided by N as well). Returns the StackReport; raises AccumcheckError for bad input."""
+    stepped with ``trainer.step(k * b)``), ``grad_req='add'``, sgd. ``world_size`` > 1: the net on
+    that many CPU contexts, each micro-batch split across them (``split_and_load``) and the
+    gradients summed by a kvstore 'local', in this one process. ``fault``: None,
+    "step-per-micro-batch" (``trainer.step(b)`` instead of ``N * b``), "loss-over-n" (the loss
+    divided by N as well) or, with several contexts, "step-per-context-batch" (``trainer.step``
+    given one context's share of the window's samples). Returns the StackReport; raises
+    AccumcheckError for bad input."""
     if fault is not None and fault not in FAULTS:
         raise AccumcheckError(f"run_case: unknown fault {fault!r}; choose one of {', '.join(FAULTS)} (or None)")
     n = accum_steps
@@ -387,32 +270,43 @@ def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str
     total = 2 * n + 2 if batches is None else batches
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise AccumcheckError(f"run_case: batches must be a whole number >= 1, got {batches!r}")
+    if fault == "step-per-context-batch" and world_size < 2:
+        raise AccumcheckError("--fault step-per-context-batch: needs several contexts; add --world-size 2")
     case = resolve_case(case)
     if case.conditional_layers():
         raise AccumcheckError(f"run_case: case {case.name!r} routes each micro-batch through its own branches, "
                               "so its window has no single batch to compare with; choose a case without "
                               "conditional layers")
-    net = build_block(case, case.weights(), "float32", mx.cpu())
+    b = case.input.batch_size
+    if world_size > b:
+        raise AccumcheckError(f"--world-size {world_size}: case {case.name!r} has micro-batches of {b} samples, too "
+                              f"few to split across {world_size} contexts; use --world-size {b} or less")
+    contexts = [mx.cpu(i) for i in range(world_size)]
+    net = build_block(case, case.weights(), "float32", contexts[0])
+    if world_size > 1:
+        net.collect_params().reset_ctx(contexts)
     net.hybridize()
     for param in net.collect_params().values():
         param.grad_req = "add"
-    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                               kvstore="local" if world_size > 1 else "device")
     loss_fn = case_loss_fn(case)
-    b = case.input.batch_size
     check = AccumulationCheck(net, trainer, loss_fn, accum_steps=n)
     with check:
         for i in range(total):
             batch = case.batch(i)
             x, y = check.record(batch.inputs, batch.labels)
+            shards = zip(mx.gluon.utils.split_and_load(x, contexts, even_split=False),
+                         mx.gluon.utils.split_and_load(y, contexts, even_split=False))
             with autograd.record():
-                loss = loss_fn(net(x), y)
-                if fault == "loss-over-n":
-                    loss = loss / n
-            loss.backward()
+                losses = [loss_fn(net(xs), ys) / (n if fault == "loss-over-n" else 1) for xs, ys in shards]
+            autograd.backward(losses)
             if (i + 1) % n == 0 or i == total - 1:
-                trainer.step(b if fault == "step-per-micro-batch" else (i % n + 1) * b)
+                samples = (i % n + 1) * b
+                trainer.step({"step-per-micro-batch": b, "step-per-context-batch": samples / world_size}.get(
+                    fault, samples))
                 net.collect_params().zero_grad()
-    report = check._build_report(f"{case.name} (built-in case)", reproduce=stack_command("gluon", case.name, n, batches,
-                                                                                           fault))
+    report = check._build_report(f"{case.name} (built-in case)",
+                                 reproduce=stack_command("gluon", case.name, n, batches, fault, world_size))
     report.micro_batches_expected = total
     return report

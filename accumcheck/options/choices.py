@@ -14,6 +14,7 @@ SEED_LIMIT = 2**32  # numpy, torch and mxnet all take seeds below it
 
 # "loop": your own PyTorch loop (one process or DistributedDataParallel); "fsdp2" and "deepspeed" shard it
 STACKS = ("transformers", "accelerate", "lightning", "gluon", "loop", "fsdp2", "deepspeed")
-# the last three break one rank of a data-parallel run (--world-size 2 or more)
+# rank-loss-scaled, rank-drops-micro-batch and bfloat16-reduce break one rank of a data-parallel run, and
+# step-per-context-batch a Gluon Trainer on several contexts (--world-size 2 or more)
 STACK_FAULTS = ("micro-batch-mean", "loss-over-n", "step-per-micro-batch", "rank-loss-scaled",
-                "rank-drops-micro-batch", "bfloat16-reduce")
+                "rank-drops-micro-batch", "bfloat16-reduce", "step-per-context-batch")
