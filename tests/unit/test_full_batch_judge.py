@@ -180,6 +180,17 @@ def test_world_size_candidates_only_with_more_than_one_rank():
     assert "1/(N*W) (N = 4, W = 2)" in verdict(scaled(1.7), world_size=2).explanation
 
 
+def test_context_candidates_only_with_more_than_one_context():
+    """A Gluon Trainer on C contexts in one process: C and 1/C, named as contexts, not ranks."""
+    assert "C" not in [c.name for c in factor_candidates(4)]
+    assert [c.name for c in factor_candidates(4, contexts=2)][4:] == ["C", "1/C"]
+    gap = FullBatchGap("mean", "1/N", scaled(2.0), FULL)
+    result = full_batch_verdict(gap, 4, contexts=2)
+    assert result.matches == "C" and "(C = 2 contexts)" in result.explanation
+    assert full_batch_verdict(gap, 4).matches is None  # 2 means nothing on one context with N = 4
+    assert run_figures(4, contexts=3) == "N = 4, 3 contexts"
+
+
 def test_candidates_equal_to_one_say_nothing():
     assert [c.name for c in factor_candidates(1)] == []
     assert verdict(scaled(1 + 1e-8), steps=1).matches is None  # not equivalent, yet N = 1 explains nothing
