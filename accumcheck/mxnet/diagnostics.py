@@ -314,7 +314,10 @@ class _LayerRows:
         self.norm_index = np.array([indices + [count] * n for indices, n in rows], dtype=np.intp)
         self.minmax_index = np.array([[position[i] for i in indices] + [len(self.watched)] * n for indices, n in rows],
                                      dtype=np.intp)
-        self.norm_index.shape = self.minmax_index.shape = (len(rows), width)
+        # (layers, width) also with no layer (np.array of [] is one-dimensional); reshape, not a shape
+        # assignment, which NumPy 2.5 deprecates
+        self.norm_index = self.norm_index.reshape(len(rows), width)
+        self.minmax_index = self.minmax_index.reshape(len(rows), width)
         self.count = count
 
     def layer_stats(self, values: np.ndarray) -> np.ndarray:

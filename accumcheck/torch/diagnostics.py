@@ -308,7 +308,10 @@ class _StatsPlan:
         self.norm_index = np.array([indices + [count] * n for indices, n in rows], dtype=np.intp)
         self.minmax_index = np.array([[position[i] for i in indices] + [len(watched)] * n for indices, n in rows],
                                      dtype=np.intp)
-        self.norm_index.shape = self.minmax_index.shape = (len(rows), width)
+        # (layers, width) also with no layer (np.array of [] is one-dimensional); reshape, not a shape
+        # assignment, which NumPy 2.5 deprecates
+        self.norm_index = self.norm_index.reshape(len(rows), width)
+        self.minmax_index = self.minmax_index.reshape(len(rows), width)
         self.norm_pad = 0.0 if norm_type >= 0 else np.inf
         self.count = count
         self.extremes = torch.tensor([float("inf"), float("-inf")], dtype=dtype, device=device)[:, None].repeat(
