@@ -340,7 +340,10 @@ def constant_sentence(fit: FactorFit, match: Candidate | None, candidates: list[
     head = (f"accumulated = {factor_text(fit.factor)} x full batch on all {len(fit.tensor_factors)} tensors"
             f"{silent_text(fit.silent)} (spread {brief(fit.spread)})")
     if match is not None:
-        return f"{head}: matches {match.name} ({match.where}): {match.reason}"
+        # another of the run's numbers of the same value (N = C = 2): both causes are said, the first as the likelier
+        same = [c for c in candidates if c.name != match.name and matching(fit.factor, [c]) is c]
+        return f"{head}: matches {match.name} ({match.where}): {match.reason}" + "".join(
+            f"; or {c.name} ({c.where}), the same number here: {c.reason}" for c in same)
     names = ", ".join(c.name for c in candidates)
     return f"{head}: matches none of {names} ({figures}): the loss is scaled by a constant its normalisation does not have"
 

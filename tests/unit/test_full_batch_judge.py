@@ -191,6 +191,16 @@ def test_context_candidates_only_with_more_than_one_context():
     assert run_figures(4, contexts=3) == "N = 4, 3 contexts"
 
 
+def test_two_of_the_runs_numbers_of_the_same_value_are_both_named():
+    """N = C = 2: a factor of 2 is the division by N forgotten or trainer.step given one context's
+    share; the verdict names the likelier first and does not hide the other."""
+    result = full_batch_verdict(FullBatchGap("mean", "1/N", scaled(2.0), FULL), 2, contexts=2)
+    assert result.matches == "N"
+    assert "matches N (N = 2): the micro-batch losses are summed" in result.explanation
+    assert "; or C (C = 2 contexts), the same number here: trainer.step's batch_size" in result.explanation
+    assert "; or" not in full_batch_verdict(FullBatchGap("mean", "1/N", scaled(2.0), FULL), 2).explanation
+
+
 def test_candidates_equal_to_one_say_nothing():
     assert [c.name for c in factor_candidates(1)] == []
     assert verdict(scaled(1 + 1e-8), steps=1).matches is None  # not equivalent, yet N = 1 explains nothing
