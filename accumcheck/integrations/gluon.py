@@ -102,7 +102,7 @@ class AccumulationCheck:
         self.unrecorded: list[int] = []  # of those, the ones with no micro-batch recorded since the step before
         self._pending: list[tuple[int, list[Any]]] = []
         self._per_sample: bool | None = None
-        self._contexts, self._kvstore, self._context_names = 1, None, []
+        self._layout: str | None = None  # the contexts and kvstore note, where there is more than one device
         self._state: Float64Run | None = None
         self._finished = False
 
@@ -115,8 +115,7 @@ class AccumulationCheck:
         if self._state is not None:
             raise AccumcheckError("AccumulationCheck: this check is already active; use one `with check:` at a time")
         self._state = Float64Run(self.net, self.trainer)
-        self._contexts, self._kvstore = len(self._state.contexts), self._state.kvstore
-        self._context_names = [str(c) for c in self._state.contexts]
+        self._layout = self._state.layout()
         self._state.enter()
         self._original_step = self.trainer.__dict__.get("step")
         step = self.trainer.step
@@ -175,11 +174,8 @@ class AccumulationCheck:
                                   if self._per_sample is not False else "the scalar loss of the window as one batch"),
                  "parameters, gradients, optimizer states and Python's and NumPy's random states restored "
                  "afterwards"]
-        if self._contexts > 1 or self._kvstore is not None:
-            notes.append(f"{self._contexts} context{'s' * (self._contexts != 1)} ({', '.join(self._context_names)})"
-                         + (f", kvstore {self._kvstore!r}" if self._kvstore else "") + ": the applied gradient is "
-                         "every context's gradient summed, as the kvstore sums them; the reference runs the window "
-                         f"on {self._context_names[0]}")
+        if self._layout is not None:
+            notes.append(self._layout)
         if self.steps is not None:
             notes.append(f"checked the first {self.steps} optimizer step{'s' * (self.steps != 1)} only")
         record = "x, y = check.record(x, y)" if self.loss_fn is not None else "x = check.record(x)"

@@ -52,6 +52,15 @@ class Float64Run:
         self.trained = [p for p in trainer._params if p.grad_req != "null"]
         self.with_grad = [p for p in self.params if p.grad_req != "null"]
 
+    def layout(self) -> str | None:
+        """The report's note on the contexts and the kvstore; None for one context and no kvstore."""
+        if len(self.contexts) == 1 and self.kvstore is None:
+            return None
+        names = [str(c) for c in self.contexts]
+        return (f"{len(names)} context{'s' * (len(names) != 1)} ({', '.join(names)})"
+                + (f", kvstore {self.kvstore!r}" if self.kvstore else "") + ": the applied gradient is every "
+                f"context's gradient summed, as the kvstore sums them; the reference runs the window on {names[0]}")
+
     def enter(self) -> None:
         self.random_states = random.getstate(), np.random.get_state()  # the loop's draws are undone on exit
         self.saved = [(p, p._data, p._grad, p._dtype) for p in self.params]
