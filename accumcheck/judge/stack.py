@@ -25,6 +25,7 @@ from ..report import StackReport, StackStep
 from ..report.stack import StepPrecisionFit
 from ..run.results import FullBatchGap, StackWindow, StepPrecision
 from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
+from .update import judge_update
 
 # The micro-batches' own gradients, computed in a dtype of unit round-off u, are allowed
 # COMPUTE_ROUNDINGS x u of ||S|| each: a gradient is a few chained matmuls and reductions, each
@@ -87,7 +88,9 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     if precision is not None and not result.equivalent and precision.error <= precision.bound:
         explanation = precision_sentence(precision)
     result = dataclasses.replace(result, explanation=explanation)
-    return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result, precision=precision)
+    update = None if window.update is None else judge_update(window.update, max(1, len(window.micro_batches) // world))
+    return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result, precision=precision,
+                     update=update)
 
 
 def _per_rank(micro_batches: list[int], counts: list[int], world: int) -> list[int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .single import FullBatchResult
 from .values import SCHEMA_VERSION, Serialised
 
-STEP_VERDICTS = ("faithful", "batch-level", "precision-loss", "constant-factor", "mismatch", "non-finite")
+STEP_VERDICTS = ("faithful", "batch-level", "precision-loss", "constant-factor", "mismatch", "non-finite", "update")
 
 
 @dataclass
@@ -29,6 +29,29 @@ class StepPrecisionFit:
 
 
 @dataclass
+class StepUpdateResult:
+    """What an optimizer step did with its gradient (``accumcheck.judge.update``): the counts of
+    the window (optimizer, scheduler and clipping calls since the step before), the parameters
+    that moved between its micro-batches, and the update against the optimizer applied once, in
+    float64, to the gradient it was handed. ``findings`` say what is not one update per window,
+    each with its cause; empty, the step made one update of its window."""
+
+    optimizer_steps: int
+    scheduler_steps: int | None
+    clip_calls: int | None
+    moved: list[str]
+    error: float | None  # max |update - the optimizer once| over its round-off allowance; None: not replayed
+    matches: str  # what the update is instead, where one of the tried causes explains it
+    lr: float | None
+    findings: list[str] = field(default_factory=list)
+    note: str = ""  # why the update was not replayed, where it was not
+
+    @property
+    def one_update(self) -> bool:
+        return not self.findings
+
+
+@dataclass
 class StackStep:
     """One optimizer step: its window and what its applied gradient is."""
 
@@ -36,9 +59,28 @@ class StackStep:
     micro_batches: list[int]  # the run's micro-batch indices in the window
     result: FullBatchResult  # applied gradient (A) against the window as one batch (F)
     precision: StepPrecisionFit | None = None  # where the stack runs below float64
+    update: StepUpdateResult | None = None  # what the step did with the gradient, where watched
+
+    @property
+    def explanation(self) -> str:
+        """What the applied gradient is, then what the step did with it where that was not one
+        update of the window."""
+        if self.update is None or self.update.one_update:
+            return self.result.explanation
+        found = "; ".join(self.update.findings)
+        return found if self.gradient_verdict in ("faithful", "batch-level") else f"{self.result.explanation}; {found}"
 
     @property
     def verdict(self) -> str:
+        """The gradient's verdict (``gradient_verdict``), or "update" where the gradient is the
+        window's but the step did not apply it as one update."""
+        found = self.gradient_verdict
+        if found in ("faithful", "batch-level") and self.update is not None and not self.update.one_update:
+            return "update"
+        return found
+
+    @property
+    def gradient_verdict(self) -> str:
         """faithful (A = F within the tolerance, or below float64 within float32's round-off),
         precision-loss (A = F within the round-off of the stack's reduced dtypes only), batch-level (A = F but for what the model
         computes over the batch by design, which no accumulation can equal), constant-factor
@@ -132,7 +174,7 @@ class StackReport(Serialised):
                     f"({self.counts_text()})")
         first = self.flagged[0]
         return (f"FLAGGED: {len(self.flagged)} of {len(self.steps)} optimizer steps; step {first.step} "
-                f"(micro-batches {first.window_text}): {first.result.explanation}" + (f"; {dropped}" if dropped else ""))
+                f"(micro-batches {first.window_text}): {first.explanation}" + (f"; {dropped}" if dropped else ""))
 
 
 def _indices(values: list[int]) -> str:

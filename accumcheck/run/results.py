@@ -158,6 +158,35 @@ class StepPrecision:
 
 
 @dataclass
+class StepUpdate:
+    """What one optimizer step did with its window's gradient, as a stack's check watched it.
+
+    The counts are events between the step before and this one: ``optimizer_steps`` of the
+    optimizer (1 is one update per window; more where a window was split), ``scheduler_steps``
+    (None: no scheduler watched), ``clip_calls`` of gradient clipping (None: not watched).
+    ``moved`` names the parameters that changed between the window's micro-batches before its
+    step. ``applied`` is each parameter after the step minus before the window, ``expected`` the
+    optimizer applied once, from its state before the window, to the gradient it was handed, in
+    float64 (None where not replayed, ``replay_note`` says why); ``scale`` the per-element size
+    the round-off of the step is relative to (|parameter| + |update|), ``dtype`` the dtype the
+    stack's optimizer ran in. ``hypotheses`` are other updates the step may have made, by what
+    causes them ("weight decay applied at every micro-step": that update), tried where
+    ``expected`` does not match. ``lr`` is the learning rate the step used."""
+
+    optimizer_steps: int = 1
+    scheduler_steps: int | None = None
+    clip_calls: int | None = None
+    moved: list[str] = field(default_factory=list)
+    applied: dict[str, np.ndarray] | None = None
+    expected: dict[str, np.ndarray] | None = None
+    scale: dict[str, np.ndarray] | None = None
+    dtype: str = "float64"
+    hypotheses: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    lr: float | None = None
+    replay_note: str = ""
+
+
+@dataclass
 class StackWindow:
     """One optimizer step of a training stack: the gradient its optimizer was about to apply and
     the gradient of the same window's micro-batches as one batch, both in float64, per parameter
@@ -174,3 +203,4 @@ class StackWindow:
     contexts: int = 1  # devices each micro-batch was split across in one process (Gluon contexts under a kvstore)
     precision: StepPrecision | None = None  # where the stack does not apply its gradient in float64
     absum: dict[str, np.ndarray] | None = None  # with precision: sum of |micro-batch gradients|, the round-off scale
+    update: StepUpdate | None = None  # what the optimizer step did with the gradient, where the stack watched it
