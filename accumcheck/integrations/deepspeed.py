@@ -71,6 +71,7 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     same."""
 
     who = "deepspeed.AccumulationCheck"
+    judges_updates = False  # the engine's optimizer steps its own partitions, not replayed here
     restored = ("module's weights, the optimizer's master weights and state, the loss scaler, the engine's counters "
                 "and the random states")
     def __init__(self, engine: Any, loss_fn: Callable[..., Any] | None = None,

@@ -88,6 +88,8 @@ class AccumulationCheck(pl.Callback):
         self._report, self._ended = None, None
         self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel)
         self._run.__enter__()
+        if trainer.optimizers:
+            self.recorder.watch_updates(trainer.optimizers[0])
         self._strategy = trainer.strategy
         if not parallel:
             transfer = trainer.strategy.batch_to_device
@@ -130,6 +132,7 @@ class AccumulationCheck(pl.Callback):
             return
         run, self._run = self._run, None
         self._copy = None
+        self.recorder.unwatch()
         try:
             self._strategy.__dict__.pop("batch_to_device", None)
         finally:

@@ -299,6 +299,7 @@ def _callback(transformers: Any, recorder: StackRecorder, steps: int | None) -> 
         def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if optimizer is not None:
                 recorder.watch(optimizer)
+                recorder.watch_updates(optimizer)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if steps is not None and len(recorder.windows) >= steps:

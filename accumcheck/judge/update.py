@@ -52,6 +52,7 @@ def judge_update(update: StepUpdate, micro_batches: int) -> StepUpdateResult:
     """The findings of one optimizer step's update (``micro_batches``: the window's, on one rank)."""
     findings: list[str] = []
     k = update.optimizer_steps
+    micro_batches = update.gradient_micro_batches or micro_batches
     if k > 1:
         findings.append(f"the optimizer stepped {k} times in this window of {micro_batches} micro-batch"
                         f"{'es' * (micro_batches != 1)} (the gradient was zeroed once for them): the window was "

@@ -68,7 +68,11 @@ class StackStep:
         if self.update is None or self.update.one_update:
             return self.result.explanation
         found = "; ".join(self.update.findings)
-        return found if self.gradient_verdict in ("faithful", "batch-level") else f"{self.result.explanation}; {found}"
+        if self.gradient_verdict in ("faithful", "batch-level"):
+            return found
+        if self.update.moved:  # the micro-batches' gradients were taken at different parameters: that first
+            return f"{found}; the gradient: {self.result.explanation}"
+        return f"{self.result.explanation}; {found}"
 
     @property
     def verdict(self) -> str:

@@ -184,6 +184,7 @@ class StepUpdate:
     hypotheses: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     lr: float | None = None
     replay_note: str = ""
+    gradient_micro_batches: int = 0  # micro-batches the gradient holds since it was last zeroed (0: not counted)
 
 
 @dataclass

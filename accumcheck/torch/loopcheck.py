@@ -61,6 +61,7 @@ class AccumulationCheck:
     # how long the ranks wait for each other at the with block's start (a rank without the check
     # never comes, and is named)
     agree_timeout_s = 120.0
+    judges_updates = True  # what each optimizer step does with the gradient is judged too (StepWatch)
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
@@ -123,6 +124,8 @@ class AccumulationCheck:
             for name, clip in self._clips.items():
                 setattr(torch.nn.utils, name, self._captured_first(clip))
             self.recorder.watch(self.optimizer)
+            if self.judges_updates:
+                self.recorder.watch_updates(self.optimizer, replay=not self.sharded).clip_watched = True
             self._reset = self.optimizer.register_step_pre_hook(self._stepped)  # after the recorder's capture
             self._sync_hook = self.wrapper.register_forward_pre_hook(self._note_sync) \
                 if self.wrapper is not self.model else None
@@ -173,6 +176,7 @@ class AccumulationCheck:
                 except StopIteration:
                     return
                 recorder.record(batch)
+                self._before_clip = None  # a clip is read as it was before the last micro-batch's clips
                 yield batch if self.parallel else float64_leaves(batch)
         finally:
             close = getattr(iterator, "close", None)
@@ -188,6 +192,8 @@ class AccumulationCheck:
             if self._before_clip is None and self.recorder.pending and self._stepping():
                 self._before_clip = {id(p): None if p.grad is None else p.grad.detach().clone()
                                      for p in self.model.parameters()}
+                if self.recorder.step_watch is not None:
+                    self.recorder.step_watch.clipped()
             return clip(*args, **kwargs)
         return clip_gradients
 

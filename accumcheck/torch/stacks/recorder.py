@@ -29,6 +29,7 @@ from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
 from ..userbatch import item_count
 from .batches import join_padded, predicted_count
+from .stepwatch import StepWatch
 from .world import World
 
 _DROPOUT_WORDS = ("dropout", "pdrop")
@@ -249,6 +250,8 @@ class StackRecorder:
         self._captured = False  # a window captured since the last optimizer step
         self.takes_item_count: bool | None = None  # the model normalises by the window's items itself
         self._hooks: list[Any] = []
+        self.step_watch: StepWatch | None = None  # what each optimizer step does with the gradient
+        self._window_step = -1  # the optimizer step the last captured window is applied at
 
     @property
     def seen_everywhere(self) -> int:
@@ -258,6 +261,8 @@ class StackRecorder:
     def record(self, batch: Any) -> None:
         """One micro-batch entered the current window (kept as it was fed)."""
         kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+        if self.step_watch is not None:
+            self.step_watch.micro_batch()
         self.pending.append((self.world.global_index(self.seen), kept))
         self.seen += 1
 
@@ -267,6 +272,23 @@ class StackRecorder:
         before that gradient exists."""
         inner = innermost_optimizer(optimizer)
         self._hooks.append(inner.register_step_pre_hook(lambda *_: self.stepped()))
+
+    def watch_updates(self, optimizer: Any, replay: bool = True) -> StepWatch:
+        """Judge what each step of ``optimizer`` does with the gradient (``StepWatch``): its window
+        gets the step's ``StepUpdate``. Installed after ``watch`` where both are, so that the window
+        is captured before the update is taken."""
+        watch = StepWatch(self.model, innermost_optimizer(optimizer), replay=replay)
+        watch.install()
+        self.step_watch = watch
+        self._hooks.append(watch.optimizer.register_step_post_hook(lambda *_: self._updated()))
+        return watch
+
+    def _updated(self) -> None:
+        """The step just taken: its update goes to its window, where this step captured one."""
+        update = self.step_watch.take() if self.step_watch is not None else None
+        if update is not None and self.windows and self._window_step == self.optimizer_steps - 1 and \
+                self.windows[-1].update is None:
+            self.windows[-1].update = update
 
     def stepped(self) -> None:
         """The stack's optimizer steps now: the window is captured where it was not yet; a step
@@ -281,6 +303,8 @@ class StackRecorder:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.step_watch is not None:
+            self.step_watch.remove()
 
     def coverage(self, who: str, feed: str, fix: str, idle: str, idle_fix: str) -> Coverage:
         """What the recorder counted beside its windows, with the words that say what was not judged
@@ -348,6 +372,7 @@ class StackRecorder:
                                         precision=self.precision, absum=absum))
         self.pending = []
         self._captured = True
+        self._window_step = self.optimizer_steps
 
     def _gradients(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
                    batch: Any) -> tuple[Gradients, dict[str, Gradients]]:

@@ -1,0 +1,222 @@
+"""What a torch optimizer step does with the gradient, watched for a stack's check: how many
+optimizer steps, scheduler steps and clippings a window took, whether its parameters moved between
+its micro-batches, and its update against the optimizer applied once, from its state before the
+window, to the gradient it was handed (a float64 copy of the optimizer and of that state).
+
+A window here is what the gradient holds: it starts where the optimizer's ``zero_grad`` ran or
+every gradient was zero or None, and ends at the optimizer step that applies it, so a loop that steps at every
+micro-batch but zeroes once per window shows several steps in one window. The causes the update is
+tried against are the ones Keras 3.0-3.4 had (keras#19990): decoupled weight decay applied at every
+micro-step, and Adam's step count (its bias correction) advanced at every micro-step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...run.results import StepUpdate
+from ..casemodel import to_numpy
+
+DECAY_EACH = "weight decay applied at every micro-step"
+BIAS_EACH = "Adam's bias correction counting micro-steps"
+LR_INSIDE = "the learning rate a scheduler set inside the window"
+
+
+class _Start:
+    """The optimizer and its parameters as a window found them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.data = {id(p): p.detach().clone() for p in params}
+        self.state = {id(p): {k: _copy(v) for k, v in optimizer.state[p].items()} for p in params
+                      if p in optimizer.state}
+        self.groups = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+class StepWatch:
+    """Installed on a torch optimizer (``install``, ``remove``); ``micro_batch()`` is called as each
+    micro-batch enters, ``clipped()`` at each gradient clipping where the check sees clipping;
+    ``take()`` hands the ``StepUpdate`` of the last optimizer step (None before one). ``replay``
+    False (a sharded model) counts and compares without replaying the update."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replay: bool = True) -> None:
+        self.model, self.optimizer, self.replay = model, optimizer, replay
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.clip_watched = False
+        self._start: _Start | None = None
+        self._moved: set[str] = set()
+        self._steps = 0  # optimizer steps since the gradient was last zeroed
+        self._seen = 0  # micro-batches since the last optimizer step
+        self._held = 0  # micro-batches since the gradient was last zeroed
+        self._clips = 0
+        self._schedules = 0
+        self._scheduled = False  # a scheduler of this optimizer stepped during the check
+        self._update: StepUpdate | None = None
+        self._hook: Any = None
+        self._scheduler_step: Any = None
+
+    def install(self) -> None:
+        self._hook = self.optimizer.register_step_post_hook(self._after)
+        zero_grad, watch = self.optimizer.zero_grad, self
+
+        def zeroed(*args: Any, **kwargs: Any) -> Any:
+            watch._steps, watch._held = 0, 0  # the loop starts a new window
+            return zero_grad(*args, **kwargs)
+        self.optimizer.zero_grad = zeroed
+        cls = torch.optim.lr_scheduler.LRScheduler
+        self._scheduler_step = cls.__dict__["step"]
+        original, watch = self._scheduler_step, self
+
+        def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(scheduler, "optimizer", None) is watch.optimizer:
+                watch._schedules += 1
+                watch._scheduled = True
+            return original(scheduler, *args, **kwargs)
+        cls.step = step
+
+    def remove(self) -> None:
+        self.optimizer.__dict__.pop("zero_grad", None)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._scheduler_step is not None:
+            torch.optim.lr_scheduler.LRScheduler.step = self._scheduler_step
+            self._scheduler_step = None
+
+    def clipped(self) -> None:
+        self._clips += 1
+
+    def take(self) -> StepUpdate | None:
+        update, self._update = self._update, None
+        return update
+
+    def micro_batch(self) -> None:
+        """A micro-batch enters: the gradient holds a new window where every gradient is zero; the
+        first since a step takes the window's start, the others compare the parameters with it."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if all(p.grad is None or not bool(p.grad.any()) for p in params):
+            self._steps, self._held = 0, 0
+        self._seen += 1
+        self._held += 1
+        if self._start is None:
+            self._start = _Start(self.optimizer)
+            return
+        with torch.no_grad():
+            for p in params:
+                name = self._name(p)
+                if name not in self._moved and not torch.equal(_local(p.detach()), _local(self._start.data[id(p)])):
+                    self._moved.add(name)
+
+    def _name(self, p: torch.Tensor) -> str:
+        return self.names.get(id(p), f"parameter {id(p):x}")
+
+    def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+        group = self.optimizer.param_groups[0]
+        lr = group.get("lr")
+        update = StepUpdate(optimizer_steps=self._steps, scheduler_steps=self._schedules if self._scheduled else None,
+                            clip_calls=self._clips if self.clip_watched else None, moved=sorted(self._moved),
+                            lr=float(lr) if lr is not None else None, gradient_micro_batches=self._held)
+        start = self._start
+        if start is None:
+            update.replay_note = "no micro-batch was seen before this step"
+        elif not self.replay:
+            update.replay_note = "the update of a sharded model is not replayed"
+        else:
+            try:
+                self._judge_ready(update, start)
+            except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+                update.replay_note = f"the optimizer could not be replayed in float64 ({str(exc).splitlines()[0][:120]})"
+                update.expected = update.applied = update.scale = None
+                update.hypotheses = {}
+        self._update = update
+        self._start, self._moved, self._clips, self._schedules, self._seen = None, set(), 0, 0, 0
+
+    def _judge_ready(self, update: StepUpdate, start: _Start) -> None:
+        """The applied update and the float64 replays: once, and with each cause."""
+        optimizer = self.optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
+        update.dtype = "float64" if dtypes == {"float64"} else "float32" if "float32" in dtypes else min(dtypes)
+        handed = {id(p): p.grad.detach().to(torch.float64).clone() for p in params}
+        applied = {self._name(p): to_numpy(p.detach().to(torch.float64) - start.data[id(p)].to(torch.float64))
+                   for p in params}
+        micro = max(1, self._seen)
+        expected = self._replayed(start, handed, micro)
+        update.applied, update.expected = applied, expected
+        update.scale = {name: np.abs(to_numpy(start.data[id(p)].to(torch.float64))) + np.abs(expected[name]) +
+                        float(start.groups[0].get("lr", 0.0) or 0.0)
+                        for p in params for name in (self._name(p),)}
+        decays = any(float(g.get("weight_decay", 0) or 0) > 0 for g in start.groups) and micro > 1 and \
+            _decoupled(optimizer)
+        counts = micro > 1 and any("betas" in g for g in start.groups) and \
+            any("step" in s for s in start.state.values())
+        if decays:
+            update.hypotheses[DECAY_EACH] = self._replayed(start, handed, micro, decay=True)
+        if counts:
+            update.hypotheses[BIAS_EACH] = self._replayed(start, handed, micro, count=True)
+        if decays and counts:
+            update.hypotheses[f"{DECAY_EACH} and {BIAS_EACH}"] = self._replayed(start, handed, micro, decay=True,
+                                                                                 count=True)
+        used = [g.get("lr") for g in optimizer.param_groups]
+        if used != [g.get("lr") for g in start.groups]:
+            update.hypotheses[LR_INSIDE] = self._replayed(start, handed, micro, lrs=used)
+
+    def _replayed(self, start: _Start, handed: dict[int, torch.Tensor], micro: int, decay: bool = False,
+                  count: bool = False, lrs: list[Any] | None = None) -> dict[str, np.ndarray]:
+        """The optimizer applied once in float64 from the window's start to ``handed``; with
+        ``decay`` its decoupled weight decay applied micro - 1 times more before, with ``count``
+        its step count advanced micro - 1 more, with ``lrs`` the learning rates the step used."""
+        optimizer = self.optimizer
+        twins: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups = []
+        for i, (group, hyper) in enumerate(zip(optimizer.param_groups, start.groups)):
+            hyper = {k: _copy(v) for k, v in hyper.items()}
+            if lrs is not None:
+                hyper["lr"] = lrs[i]
+            mine = []
+            for p in group["params"]:
+                if id(p) not in handed:
+                    continue
+                twin = start.data[id(p)].to(torch.float64).clone()
+                if decay:
+                    twin.mul_((1.0 - float(hyper["lr"]) * float(hyper.get("weight_decay", 0.0))) ** (micro - 1))
+                twin.grad = handed[id(p)].clone()
+                mine.append(twin)
+                twins.append((p, twin))
+            groups.append({**hyper, "params": mine})
+        replica = type(optimizer)([g for g in groups if g["params"]])
+        for p, twin in twins:
+            if id(p) in start.state:
+                state = {k: _float64(v) for k, v in start.state[id(p)].items()}
+                if count and "step" in state:
+                    state["step"] = state["step"] + (micro - 1)
+                replica.state[twin] = state
+        replica.step()
+        return {self._name(p): to_numpy(twin.detach() - start.data[id(p)].to(torch.float64)) for p, twin in twins}
+
+
+def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
+    """An optimizer whose weight decay scales the parameters (AdamW), not the gradient."""
+    return isinstance(optimizer, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in
+                                                           optimizer.param_groups)
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _float64(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64).clone() if value.is_floating_point() and value.dim() > 0 else value.clone()
+    return copy.deepcopy(value)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's local shard; any other tensor itself."""
+    local = getattr(tensor, "to_local", None)
+    return local() if callable(local) else tensor

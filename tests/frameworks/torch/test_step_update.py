@@ -1,0 +1,99 @@
+"""What the optimizer step did with the gradient, judged by the your-own-loop check: one optimizer
+step, one scheduler step and one clipping per window, parameters still between its micro-batches,
+and the update equal to the optimizer applied once (a float64 replay). Each fault is a loop users
+write; the correct loop is the positive control."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from accumcheck.torch import AccumulationCheck  # noqa: E402
+from accumcheck.torch.stacks.stepwatch import BIAS_EACH, DECAY_EACH, LR_INSIDE  # noqa: E402
+
+N = 4
+loss_fn = torch.nn.functional.cross_entropy
+
+
+def run(fault=None, steps=3, optimizer=torch.optim.AdamW, clip=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = optimizer(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    data = [(torch.randn(5, 8), torch.randint(0, 3, (5,))) for _ in range(4 * N)]
+    check = AccumulationCheck(model, opt, loss_fn=loss_fn, steps=steps, scheduler=sched)
+    with check:
+        for i, (x, y) in enumerate(check.batches(data)):
+            (loss_fn(model(x), y) / N).backward()
+            last = (i + 1) % N == 0
+            if fault == "keras-19990":  # what Keras 3.0-3.4 did at every micro-step, in torch
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+                if not last:
+                    with torch.no_grad():
+                        for g in opt.param_groups:
+                            for p in g["params"]:
+                                p.mul_(1 - g["lr"] * g["weight_decay"])
+                                if p in opt.state:
+                                    opt.state[p]["step"] += 1
+            if fault == "scheduler-each":
+                sched.step()
+            if fault == "step-each":
+                opt.step()
+            if last:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                if fault != "step-each":
+                    opt.step()
+                if fault != "scheduler-each":
+                    sched.step()
+                opt.zero_grad()
+    return check, model, opt
+
+
+def test_the_correct_loop_makes_one_update_per_window_to_the_replays_round_off():
+    check, model, opt = run(clip=1e-3)  # clipping fires, once per window: the handed gradient is replayed
+    report = check.report
+    assert report.exit_code == 0 and [s.verdict for s in report.steps] == ["faithful"] * 3
+    for s in report.steps:
+        u = s.update
+        assert u.one_update and u.optimizer_steps == 1 and u.clip_calls == 1 and u.moved == []
+        assert u.error is not None and u.error <= 1
+    assert [s.update.scheduler_steps for s in report.steps] == [None, 1, 1]
+    # nothing of the watch is left on the optimizer or the scheduler class
+    assert "zero_grad" not in opt.__dict__
+    assert "step" in vars(torch.optim.lr_scheduler.LRScheduler)
+    assert torch.optim.lr_scheduler.LRScheduler.step.__qualname__ == "LRScheduler.step"
+
+
+def test_a_scheduler_stepped_every_micro_batch_is_named():
+    report = run("scheduler-each")[0].report
+    assert report.exit_code == 1 and {s.verdict for s in report.steps} == {"update"}
+    assert all(s.update.scheduler_steps == N for s in report.steps)
+    assert "the scheduler stepped 4 times in this window: the learning rate decays 4x too fast" in report.summary()
+    assert report.steps[1].update.matches == LR_INSIDE
+
+
+def test_an_optimizer_step_every_micro_batch_is_the_window_as_several_steps():
+    report = run("step-each")[0].report
+    assert report.exit_code == 1
+    assert [s.update.optimizer_steps for s in report.steps] == [1, 2, 3]
+    assert "the optimizer stepped 3 times in this window of 3 micro-batches" in report.steps[2].explanation
+
+
+def test_keras_19990_in_torch_weight_decay_clipping_and_bias_correction_per_micro_step_are_named():
+    report = run("keras-19990")[0].report
+    assert report.exit_code == 1
+    first, later = report.steps[0].update, report.steps[1].update
+    assert first.clip_calls == N and later.clip_calls == N
+    assert len(first.moved) == 4  # the decay moved every tensor between the micro-batches
+    assert first.matches == DECAY_EACH  # before Adam has a step count to advance
+    assert later.matches == f"{DECAY_EACH} and {BIAS_EACH}"
+    text = report.summary()
+    assert "gradient clipping ran 4 times in this window" in text and "moved between the window's micro-batches" in text
+
+
+def test_an_optimizer_without_decoupled_decay_gets_no_weight_decay_hypothesis():
+    report = run(optimizer=torch.optim.Adam)[0].report
+    assert report.exit_code == 0
+    assert all(s.update.one_update for s in report.steps)
