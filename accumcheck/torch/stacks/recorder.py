@@ -274,9 +274,7 @@ class StackRecorder:
         self._hooks.append(inner.register_step_pre_hook(lambda *_: self.stepped()))
 
     def watch_updates(self, optimizer: Any, replay: bool = True) -> StepWatch:
-        """Judge what each step of ``optimizer`` does with the gradient (``StepWatch``): its window
-        gets the step's ``StepUpdate``. Installed after ``watch`` where both are, so that the window
-        is captured before the update is taken."""
+        """Each step of ``optimizer`` gives its window a ``StepUpdate`` (``StepWatch``); after ``watch``."""
         watch = StepWatch(self.model, innermost_optimizer(optimizer), replay=replay)
         watch.install()
         self.step_watch = watch
@@ -284,11 +282,9 @@ class StackRecorder:
         return watch
 
     def _updated(self) -> None:
-        """The step just taken: its update goes to its window, where this step captured one."""
         update = self.step_watch.take() if self.step_watch is not None else None
-        if update is not None and self.windows and self._window_step == self.optimizer_steps - 1 and \
-                self.windows[-1].update is None:
-            self.windows[-1].update = update
+        if update is not None and self.windows and self._window_step == self.optimizer_steps - 1:
+            self.windows[-1].update = self.windows[-1].update or update
 
     def stepped(self) -> None:
         """The stack's optimizer steps now: the window is captured where it was not yet; a step
@@ -337,6 +333,8 @@ class StackRecorder:
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         hypotheses = Hypotheses(takes_item_count=self.takes_item_count, by_design=batch_level_modules(module))
         absum = None
+        if self.step_watch is not None:  # the reference's own calls are not the stack's
+            self.step_watch.paused = True
         try:
             with torch.enable_grad():
                 window, term_windows = self._gradients(module, ref_named, self.join_window(batches))
@@ -354,6 +352,8 @@ class StackRecorder:
                 if world.parallel and not close:
                     hypotheses.rank_windows = self._rank_windows(module, ref_named, pending)
         finally:
+            if self.step_watch is not None:
+                self.step_watch.paused = False
             with torch.no_grad():
                 for (_, p), g in zip(ref_named, grads):
                     p.grad = g

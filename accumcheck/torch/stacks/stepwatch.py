@@ -47,6 +47,7 @@ class StepWatch:
         self.model, self.optimizer, self.replay = model, optimizer, replay
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.clip_watched = False
+        self.paused = False  # the check's own reference runs (a training_step that steps a scheduler)
         self._start: _Start | None = None
         self._moved: set[str] = set()
         self._steps = 0  # optimizer steps since the gradient was last zeroed
@@ -72,7 +73,7 @@ class StepWatch:
         original, watch = self._scheduler_step, self
 
         def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            if getattr(scheduler, "optimizer", None) is watch.optimizer:
+            if _steps_of(scheduler) is watch.optimizer and not watch.paused:
                 watch._schedules += 1
                 watch._scheduled = True
             return original(scheduler, *args, **kwargs)
@@ -198,6 +199,16 @@ class StepWatch:
                 replica.state[twin] = state
         replica.step()
         return {self._name(p): to_numpy(twin.detach() - start.data[id(p)].to(torch.float64)) for p, twin in twins}
+
+
+def _steps_of(scheduler: Any) -> Any:
+    """The torch optimizer a scheduler sets the learning rate of, through a stack's wrappers
+    (accelerate's AcceleratedOptimizer)."""
+    optimizer, seen = getattr(scheduler, "optimizer", None), 0
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _decoupled(optimizer: torch.optim.Optimizer) -> bool:

@@ -251,8 +251,26 @@ def test_a_scheduler_the_loop_steps_is_put_back():
                 opt.step()
                 scheduler.step()
                 opt.zero_grad()
+    # a prepared scheduler steps only with the optimizer, once a window, though the loop calls it each micro-batch
     assert verdicts(check.report) == ["faithful", "faithful"]
+    assert [s.update.scheduler_steps for s in check.report.steps] == [None, 1]
     assert scheduler.scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == lr
+
+
+def test_a_scheduler_not_prepared_and_stepped_every_micro_batch_is_named():
+    accelerator, model, opt, loader = setup(lm_batches(2 * N), optimizer=torch.optim.AdamW)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    check = AccumulationCheck(accelerator, model, opt, scheduler=scheduler)
+    with check:
+        for batch in check.batches(loader):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch)["loss"])
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+    report = check.report
+    assert verdicts(report) == ["update", "update"] and report.exit_code == 1
+    assert "the scheduler stepped 4 times in this window" in report.steps[1].explanation
 
 
 def test_a_scheduler_must_be_one():

@@ -214,3 +214,36 @@ def test_a_missing_lightning_is_one_actionable_error(monkeypatch):
     monkeypatch.delitem(sys.modules, "accumcheck.integrations.lightning", raising=False)
     with pytest.raises(AccumcheckError, match=r"accumcheck.integrations.lightning needs lightning and PyTorch \(lightning(\.pytorch)? is not installed\); install them with pip install 'accumcheck\[lightning\]'"):
         importlib.import_module("accumcheck.integrations.lightning")
+
+
+class ScheduledLM(LitLM):
+    """AdamW with weight decay and a scheduler Lightning steps once per optimizer step; with
+    ``every_batch`` the training_step also steps it, a mistake Lightning lets a user make."""
+
+    def __init__(self, every_batch=False):
+        super().__init__()
+        self.every_batch = every_batch
+
+    def training_step(self, batch, batch_idx):
+        found = super().training_step(batch, batch_idx)
+        if self.every_batch:
+            self.lr_schedulers().step()
+        return found
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9),
+                                                   "interval": "step"}}
+
+
+def test_adamw_with_a_scheduler_lightning_steps_makes_one_update_per_window():
+    report = fit(ScheduledLM(), lm_batches(3 * N), AccumulationCheck())
+    assert verdicts(report) == ["faithful"] * 3 and report.exit_code == 0
+    assert all(s.update.one_update and s.update.error <= 1 for s in report.steps)
+    assert [s.update.scheduler_steps for s in report.steps] == [None, 1, 1]
+
+
+def test_a_training_step_that_steps_the_scheduler_every_batch_is_named():
+    report = fit(ScheduledLM(every_batch=True), lm_batches(3 * N), AccumulationCheck())
+    assert report.exit_code == 1 and verdicts(report)[1:] == ["update", "update"]
+    assert "the scheduler stepped 5 times in this window" in report.steps[1].explanation
