@@ -162,8 +162,10 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
     if not windows and not micro_batches_seen:
         raise NothingJudgedError(_nothing_judged(coverage))
     stepped = {i for w in windows for i in w.micro_batches}
+    steps = [judge_window(w, accum_steps) for w in windows]
+    _split_windows(steps)
     report = StackReport(stack=stack, model=model, accum_steps=accum_steps,
-                         steps=[judge_window(w, accum_steps) for w in windows], micro_batches_seen=micro_batches_seen,
+                         steps=steps, micro_batches_seen=micro_batches_seen,
                          unstepped=[i for i in range(micro_batches_seen) if i not in stepped], precision=precision,
                          versions=versions, tolerance=SEMANTIC_TOLERANCE, notes=list(notes or []),
                          reproduce=reproduce, micro_batches_expected=micro_batches_expected, world_size=world_size)
@@ -173,6 +175,18 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
             raise AccumcheckError(f"{coverage.who}: {unjudged}; {coverage.fix}, and step once per window")
         report.notes.append(unjudged)
     return report
+
+
+def _split_windows(steps: list[StackStep]) -> None:
+    """A step the next one continues without the gradient zeroed between them (the next counts
+    two optimizer steps in its window) applied only the first part of a window: said there too."""
+    for step, following in zip(steps, steps[1:]):
+        now, then = step.update, following.update
+        if now is not None and then is not None and now.optimizer_steps == 1 and then.optimizer_steps == 2:
+            now.split = True
+            now.findings.insert(0, "the optimizer stepped again before the gradient was zeroed: this step applied the "
+                                   "first part of a window, not all of it; call optimizer.step() once per window, after "
+                                   "its last micro-batch")
 
 
 def _nothing_judged(coverage: Coverage) -> str:

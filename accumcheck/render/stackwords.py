@@ -35,8 +35,10 @@ def stack_rows(report: StackReport) -> list[list[str]]:
             f"{factor_text(r.factor)}" + (f" ({r.matches})" if r.matches else "") if r.constant else
             _term_factors(r) if r.terms and r.main_factor is not None else
             f"{factor_text(r.factor_min)}..{factor_text(r.factor_max)}")
-        cause = r.explanation if s.verdict == "precision-loss" else s.update.findings[0] if s.verdict == "update" \
-            else _cause(r)
+        cause = r.explanation if s.verdict == "precision-loss" else _cause(r)
+        if s.update is not None and not s.update.one_update:  # what the step did, first where it explains the rest
+            first = s.update.findings[0]
+            cause = first if s.verdict == "update" or s.update.explains_gradient else f"{cause}; {first}"
         rows.append([str(s.step), s.window_text, items, s.verdict, factor, num(r.max_relative_difference), cause])
     return rows
 

@@ -45,6 +45,13 @@ class StepUpdateResult:
     lr: float | None
     findings: list[str] = field(default_factory=list)
     note: str = ""  # why the update was not replayed, where it was not
+    split: bool = False  # the optimizer stepped again on this window's gradient before it was zeroed
+
+    @property
+    def explains_gradient(self) -> bool:
+        """Whether what the step did also explains a gradient unlike the window's: parameters that
+        moved inside the window, or a window applied in several steps."""
+        return bool(self.moved) or self.split or self.optimizer_steps > 1
 
     @property
     def one_update(self) -> bool:
@@ -70,7 +77,7 @@ class StackStep:
         found = "; ".join(self.update.findings)
         if self.gradient_verdict in ("faithful", "batch-level"):
             return found
-        if self.update.moved:  # the micro-batches' gradients were taken at different parameters: that first
+        if self.update.explains_gradient:  # the cause of the gradient too: said first
             return f"{found}; the gradient: {self.result.explanation}"
         return f"{self.result.explanation}; {found}"
 

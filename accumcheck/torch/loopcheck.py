@@ -299,7 +299,8 @@ class AccumulationCheck:
         """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""
         world = self.recorder.world
         counts = [len(w.micro_batches) for w in self.recorder.windows]
-        return max(1, max(counts, default=world.size) // world.size)
+        held = [w.update.gradient_micro_batches for w in self.recorder.windows if w.update is not None]
+        return max(1, max(counts, default=world.size) // world.size, max(held, default=0))
 
     def _sync_note(self, accum_steps: int) -> str:
         """DDP all-reduces beyond one per window: a cost, not a fault (the gradient is the same)."""

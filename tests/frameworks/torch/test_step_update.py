@@ -79,6 +79,9 @@ def test_an_optimizer_step_every_micro_batch_is_the_window_as_several_steps():
     assert report.exit_code == 1
     assert [s.update.optimizer_steps for s in report.steps] == [1, 2, 3]
     assert "the optimizer stepped 3 times in this window of 3 micro-batches" in report.steps[2].explanation
+    # the window's first step is said to be part of it, before the factor its gradient happens to match
+    assert report.steps[0].update.split and report.summary().startswith(
+        "FLAGGED: 3 of 3 optimizer steps; step 0 (micro-batches 0): the optimizer stepped again before the gradient")
 
 
 def test_keras_19990_in_torch_weight_decay_clipping_and_bias_correction_per_micro_step_are_named():
