@@ -31,7 +31,7 @@ FRAMEWORKS = ("torch", "mxnet", "jax")
 # Each training stack's integration and the one framework it may name.
 INTEGRATIONS = {"accumcheck.integrations.transformers": "torch", "accumcheck.integrations.accelerate": "torch",
                 "accumcheck.integrations.lightning": "torch", "accumcheck.integrations.deepspeed": "torch",
-                "accumcheck.integrations.gluon": "mxnet"}
+                "accumcheck.integrations.gluon": "mxnet", "accumcheck.integrations.keras": "torch"}
 
 
 def framework_of(module: str) -> str | None:
