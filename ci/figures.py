@@ -468,6 +468,13 @@ def stack_figures() -> dict[str, str]:
         out = example(path, *flags)
         figures[f"stack.example.{name}"] = console(" ".join(["python", path, *flags]), out)
         figures[f"stack.example.{name}.summary"] = f"`{summary_of(out)}`"
+    for flag in ("", "--scheduler-every-micro-batch", "--step-every-micro-batch", "--keras-19990"):
+        out = example("examples/loop_step.py", *([flag] if flag else []))
+        figures[f"stack.step.{flag.removeprefix('--') or 'correct'}"] = f"`{summary_of(out)}`"
+    truth = json.loads(subprocess.run([sys.executable, str(ROOT / "ci" / "ground_truth_step.py")], capture_output=True,
+                                      text=True, check=True, timeout=900).stdout)
+    figures["stack.step.ground-truth"] = e_notation(truth["correct"])
+    figures["stack.step.ground-truth-fault"] = sig(truth["keras-19990"], 2)
     return figures
 
 
