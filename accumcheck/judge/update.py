@@ -79,14 +79,15 @@ def judge_update(update: StepUpdate, micro_batches: int) -> StepUpdateResult:
                      for cause, want in update.hypotheses.items()}
             fits = sorted((e, cause) for cause, e in tried.items() if e <= 1)
             matches = fits[0][1] if fits else ""
-            figure = "inf" if math.isinf(error) else f"{error:.3g}"
+            figure = "where one update leaves a parameter as it was, it moved" if math.isinf(error) else \
+                f"{error:.3g}x its round-off"
             if matches:
-                findings.append(f"the update is not the optimizer applied once to the window's gradient ({figure}x "
-                                f"its round-off): it matches {matches}")
+                findings.append(f"the update is not the optimizer applied once to the window's gradient ({figure}): "
+                                f"it matches {matches}")
             else:
                 others = f"; nor {', '.join(tried)}" if tried else ""
-                findings.append(f"the update is not the optimizer applied once to the window's gradient ({figure}x "
-                                f"its round-off){others}")
+                findings.append(f"the update is not the optimizer applied once to the window's gradient "
+                                f"({figure}){others}")
     return StepUpdateResult(optimizer_steps=k, scheduler_steps=update.scheduler_steps, clip_calls=update.clip_calls,
                             moved=list(update.moved), error=error, matches=matches, lr=update.lr, findings=findings,
                             note=update.replay_note)
