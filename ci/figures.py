@@ -506,6 +506,17 @@ def trainer_model_figures() -> dict[str, str]:
     return figures
 
 
+@group("keras-releases", needs="keras")
+def keras_release_figures() -> dict[str, str]:
+    """examples/keras_accumulation.py under this environment's Keras (3.4.1 and the current release
+    run in the environments ci/keras.sh builds)."""
+    from importlib.metadata import version
+
+    release = version("keras")
+    out = example("examples/keras_accumulation.py")
+    return {f"stack.keras.{release}.summary": f"`{summary_of(out)}`"}
+
+
 def summary_of(out: str) -> str:
     """A stack report's summary line."""
     return next(line for line in out.splitlines() if line.startswith(("FAITHFUL", "FLAGGED", "DROPPED")))
