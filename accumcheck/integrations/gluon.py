@@ -61,6 +61,7 @@ try:
 
     from ..mxnet.casemodel import build_block
     from ..mxnet.library import mx
+    from ..mxnet.stepwatch import GluonStepWatch
     from ..mxnet.trainerstate import DTYPE, Float64Run
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "MXNet", "pip install 'accumcheck[mxnet]'") from None
@@ -120,14 +121,23 @@ class AccumulationCheck:
         self._original_step = self.trainer.__dict__.get("step")
         step = self.trainer.step
 
+        self._watch = GluonStepWatch(self.trainer, self._state.trained)
+
         def checked_step(batch_size: int, ignore_stale_grad: bool = False) -> Any:
-            if not self.done:
-                if self._pending:
-                    self._capture(batch_size)
-                else:
-                    self.unrecorded.append(self.optimizer_steps)
-                self.optimizer_steps += 1
-            return step(batch_size, ignore_stale_grad)
+            if self.done:
+                return step(batch_size, ignore_stale_grad)
+            captured = bool(self._pending)
+            if captured:
+                self._capture(batch_size)
+            else:
+                self.unrecorded.append(self.optimizer_steps)
+            self.optimizer_steps += 1
+            self._watch.handed(batch_size)
+            found = step(batch_size, ignore_stale_grad)
+            update = self._watch.stepped()
+            if captured:
+                self.windows[-1].update = update
+            return found
 
         self.trainer.step = checked_step
         return self
@@ -154,6 +164,7 @@ class AccumulationCheck:
             raise AccumcheckError("AccumulationCheck: record() needs the micro-batch, e.g. x, y = check.record(x, y)")
         values = [_wide(a, self._state.ctx, i) for i, a in enumerate(arrays)]
         if not self.done:
+            self._watch.micro_batch()
             self._pending.append((self.seen, [v.copy() for v in values]))
             self.seen += 1
         return values[0] if len(values) == 1 else tuple(values)

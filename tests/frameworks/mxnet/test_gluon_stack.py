@@ -231,3 +231,57 @@ def test_a_missing_mxnet_is_one_actionable_error(monkeypatch):
     with pytest.raises(AccumcheckError, match=r"accumcheck.integrations.gluon needs MXNet \(mxnet is not installed\); "
                                               r"install them with pip install 'accumcheck\[mxnet\]'"):
         importlib.import_module("accumcheck.integrations.gluon")
+
+
+# ----------------------------------------------------------------------------- what the step did
+
+
+def test_each_step_is_one_update_the_optimizer_replayed_once_makes():
+    net, trainer = small_net()  # momentum SGD with states from a step before the check
+    report = loop(net, trainer, AccumulationCheck(net, trainer, gluon.loss.SoftmaxCrossEntropyLoss()), 8, 4).report
+    assert report.exit_code == 0
+    for s in report.steps:
+        assert s.update.one_update and s.update.optimizer_steps == 1 and s.update.moved == []
+        assert s.update.error is not None and s.update.error <= 1
+
+
+def test_a_step_at_every_micro_batch_of_a_window_zeroed_once_is_several_updates():
+    net, trainer = small_net()
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    check = AccumulationCheck(net, trainer, loss_fn)
+    with check:
+        for i, (x, y) in enumerate(micro_batches(8)):
+            x, y = check.record(x, y)
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            trainer.step(4 * B)
+            if (i + 1) % 4 == 0:
+                net.collect_params().zero_grad()
+    report = check.report
+    assert report.exit_code == 1
+    assert [s.update.optimizer_steps for s in report.steps] == [1, 2, 3, 4] * 2
+    assert "the optimizer stepped 4 times in this window of 4 micro-batches" in report.steps[3].explanation
+    assert report.steps[0].update.split
+
+
+def test_weights_decayed_by_hand_at_every_micro_batch_moved_inside_the_window():
+    net, trainer = small_net()
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    check = AccumulationCheck(net, trainer, loss_fn)
+    with check:
+        for i, (x, y) in enumerate(micro_batches(8)):
+            x, y = check.record(x, y)
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            for p in net.collect_params().values():
+                if p.grad_req != "null":
+                    p.set_data(p.data() * (1 - 1e-3))
+            if (i + 1) % 4 == 0:
+                trainer.step(4 * B)
+                net.collect_params().zero_grad()
+    report = check.report
+    assert report.exit_code == 1 and all(s.update.moved for s in report.steps)
+    assert all(s.update.error > 1 for s in report.steps)  # nor is the update the optimizer's once
+    assert "moved between the window's micro-batches" in report.summary()
