@@ -13,8 +13,11 @@ import random
 import numpy as np
 import pytest
 
-keras = pytest.importorskip("keras")
 torch = pytest.importorskip("torch")
+try:
+    import keras
+except ImportError as exc:  # not installed, or its backend (KERAS_BACKEND) does not import
+    pytest.skip(f"Keras does not import here ({exc}); pip install 'accumcheck[keras]'", allow_module_level=True)
 if keras.backend.backend() != "torch":
     pytest.skip("Keras runs on another backend here (KERAS_BACKEND)", allow_module_level=True)
 
