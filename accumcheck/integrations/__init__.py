@@ -1,6 +1,8 @@
 """Training stacks under accumcheck, one module per stack: ``transformers`` (the Hugging Face
-Trainer), ``accelerate``, ``lightning`` and ``gluon`` (MXNet's Gluon Trainer). Each imports its
-framework and its stack; one that is missing is one AccumcheckError saying what to install."""
+Trainer), ``accelerate``, ``lightning``, ``gluon`` (MXNet's Gluon Trainer), ``deepspeed`` and
+``keras`` (Keras 3 optimizers with ``gradient_accumulation_steps``, on the torch backend). Each
+imports its framework and its stack; one that is missing is one AccumcheckError saying what to
+install."""
 
 from __future__ import annotations
 

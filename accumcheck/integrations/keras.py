@@ -402,7 +402,7 @@ class AccumulationCheck(keras.callbacks.Callback):
                             idle="the fit", idle_fix="give the fit at least one batch (epochs, steps_per_epoch, data)")
         return stack_report("keras", type(self.model).__name__, n, self.windows, self._seen,
                             {"keras": keras.__version__, "torch": torch.__version__}, notes,
-                            reproduce=self.reproduce, precision="float32", coverage=coverage)
+                            reproduce=self.reproduce, precision="float32", coverage=coverage, reference_dtype="float32")
 
 
 def _bias_corrected(optimizer: Any) -> bool:  # Adam, AdamW, Adamax, Nadam: the step count enters the update

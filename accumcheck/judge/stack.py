@@ -148,7 +148,8 @@ def precision_sentence(fit: StepPrecisionFit) -> str:
 def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWindow], micro_batches_seen: int,
                  versions: dict[str, str], notes: list[str] | None = None, reproduce: str = "",
                  precision: str = "float64", micro_batches_expected: int | None = None,
-                 coverage: Coverage | None = None, world_size: int = 1) -> StackReport:
+                 coverage: Coverage | None = None, world_size: int = 1,
+                 reference_dtype: str = "float64") -> StackReport:
     """The report of a stack's run: every window judged; the micro-batches that ran but are in no
     window are the ones never stepped on.
 
@@ -168,7 +169,8 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
                          steps=steps, micro_batches_seen=micro_batches_seen,
                          unstepped=[i for i in range(micro_batches_seen) if i not in stepped], precision=precision,
                          versions=versions, tolerance=SEMANTIC_TOLERANCE, notes=list(notes or []),
-                         reproduce=reproduce, micro_batches_expected=micro_batches_expected, world_size=world_size)
+                         reproduce=reproduce, micro_batches_expected=micro_batches_expected, world_size=world_size,
+                         reference_dtype=reference_dtype)
     if coverage.unrecorded:
         unjudged = _unjudged(coverage)
         if report.exit_code == 0:

@@ -17,7 +17,8 @@ def stack_header_lines(report: StackReport) -> list[str]:
     report = shown(report)
     versions = ", ".join(f"{k} {v}" for k, v in report.versions.items())
     tolerance = (f"(tolerance {report.tolerance:g} of the largest window gradient)" if report.precision == "float64"
-                 else "against the window's gradient in float64, within the round-off of the run's dtypes")
+                 else f"against the window's gradient in {report.reference_dtype}, within the round-off of the run's "
+                      "dtypes")
     return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} {tolerance}; "
             f"{versions}",
             *report.notes, report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped

@@ -137,6 +137,7 @@ class StackReport(Serialised):
     micro_batches_expected: int | None = None
     reproduce: str = ""
     world_size: int = 1  # ranks of a data-parallel run: a window is every rank's micro-batches of its step
+    reference_dtype: str = "float64"  # the dtype the window's gradient as one batch was computed in
     kind: str = "stack"
     schema_version: int = SCHEMA_VERSION
 

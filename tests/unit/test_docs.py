@@ -61,12 +61,15 @@ API = [("accumcheck.compare", "case", "Report"),
        ("accumcheck.integrations.transformers.check", "trainer", "optimizer step"),
        ("accumcheck.integrations.accelerate.AccumulationCheck", "accelerator", "window"),
        ("accumcheck.integrations.lightning.AccumulationCheck", "steps", "window"),
-       ("accumcheck.integrations.gluon.AccumulationCheck", "trainer", "window")]
+       ("accumcheck.integrations.gluon.AccumulationCheck", "trainer", "window"),
+       ("accumcheck.integrations.keras.check", "model", "optimizer steps"),
+       ("accumcheck.integrations.keras.AccumulationCheck", "steps", "callback")]
 
 
 # The public modules, each documented from its own docstring above the objects it exports.
 API_MODULES = ["accumcheck", "accumcheck.torch", "accumcheck.mxnet", "accumcheck.jax",
-               *(f"accumcheck.integrations.{stack}" for stack in ("transformers", "accelerate", "lightning", "gluon"))]
+               *(f"accumcheck.integrations.{stack}" for stack in ("transformers", "accelerate", "lightning", "gluon",
+                                                                                "keras"))]
 
 
 def _api_entries(page: str) -> dict[str, str]:

@@ -86,6 +86,9 @@ def test_current_keras_adamw_is_faithful_gradient_and_update():
         assert step.precision.error <= step.precision.float32_bound
     assert "optimizer.iterations went from 0 to 2 over 2 optimizer steps" in report.notes
     assert any("at 2 of 2 updates, the float32 sum" in note for note in report.notes)
+    from accumcheck.render.stackwords import stack_header_lines  # the header says the reference's real dtype
+
+    assert "against the window's gradient in float32" in stack_header_lines(report)[0]
 
 
 @pytest.mark.parametrize("optimizer", [
