@@ -56,6 +56,7 @@ class StepWatch:
         self._clips = 0
         self._schedules = 0
         self._scheduled = False  # a scheduler of this optimizer stepped during the check
+        self._scheduled_now = False  # since the last micro-batch or optimizer step
         self._update: StepUpdate | None = None
         self._hook: Any = None
         self._scheduler_step: Any = None
@@ -73,9 +74,10 @@ class StepWatch:
         original, watch = self._scheduler_step, self
 
         def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            if _steps_of(scheduler) is watch.optimizer and not watch.paused:
+            # schedulers stepped together (ChainedScheduler's, one per parameter group) are one step
+            if _steps_of(scheduler) is watch.optimizer and not watch.paused and not watch._scheduled_now:
                 watch._schedules += 1
-                watch._scheduled = True
+                watch._scheduled = watch._scheduled_now = True
             return original(scheduler, *args, **kwargs)
         cls.step = step
 
@@ -98,6 +100,7 @@ class StepWatch:
     def micro_batch(self) -> None:
         """A micro-batch enters: the gradient holds a new window where every gradient is zero; the
         first since a step takes the window's start, the others compare the parameters with it."""
+        self._scheduled_now = False
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if all(p.grad is None or not bool(p.grad.any()) for p in params):
             self._steps, self._held = 0, 0
@@ -116,7 +119,7 @@ class StepWatch:
         return self.names.get(id(p), f"parameter {id(p):x}")
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._steps += 1
+        self._steps, self._scheduled_now = self._steps + 1, False
         group = self.optimizer.param_groups[0]
         lr = group.get("lr")
         update = StepUpdate(optimizer_steps=self._steps, scheduler_steps=self._schedules if self._scheduled else None,

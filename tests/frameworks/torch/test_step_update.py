@@ -16,11 +16,13 @@ N = 4
 loss_fn = torch.nn.functional.cross_entropy
 
 
-def run(fault=None, steps=3, optimizer=torch.optim.AdamW, clip=None):
+def run(fault=None, steps=3, optimizer=torch.optim.AdamW, clip=None, chained=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     opt = optimizer(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    if chained:  # two schedulers stepped as one
+        sched = torch.optim.lr_scheduler.ChainedScheduler([sched, torch.optim.lr_scheduler.ExponentialLR(opt, 0.99)])
     data = [(torch.randn(5, 8), torch.randint(0, 3, (5,))) for _ in range(4 * N)]
     check = AccumulationCheck(model, opt, loss_fn=loss_fn, steps=steps, scheduler=sched)
     with check:
@@ -100,3 +102,10 @@ def test_an_optimizer_without_decoupled_decay_gets_no_weight_decay_hypothesis():
     report = run(optimizer=torch.optim.Adam)[0].report
     assert report.exit_code == 0
     assert all(s.update.one_update for s in report.steps)
+
+
+@pytest.mark.parametrize("fault", [None, "scheduler-each"])
+def test_a_chained_scheduler_is_one_scheduler_step(fault):
+    report = run(fault, chained=True)[0].report
+    assert [s.update.scheduler_steps for s in report.steps] == ([None, 1, 1] if fault is None else [N] * 3)
+    assert report.exit_code == (0 if fault is None else 1)
