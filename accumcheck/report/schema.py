@@ -171,7 +171,7 @@ FIELDS: dict[type, dict[str, Rule]] = {
     CrossReport: {"kind": one_of(("cross",)), "allowance": SETTING},
     SweepReport: {"kind": one_of(("sweep",))},
     TrajectoryReport: {"kind": one_of(("trajectory",)), "lr": at_least(0.0, finite=True),
-                       "accum_steps": POSITIVE_INT, "losses": signed},
+                       "accum_steps": POSITIVE_INT, "losses": signed, "margin": at_least(1.0, finite=True)},
     StackReport: {"kind": one_of(("stack",)), "accum_steps": POSITIVE_INT, "precision": one_of(DTYPES),
                   "tolerance": SETTING},
 }
@@ -413,30 +413,9 @@ def _stack(s: StackReport, where: Where) -> None:
 
 
 def _trajectory(t: TrajectoryReport, where: Where) -> None:
-    traces = {"losses": t.losses, "max_diff": t.max_diff, "band_ratio": t.band_ratio, "oracle_diff": t.oracle_diff}
-    for field, trace in traces.items():
-        for key, values in trace.items():
-            if len(values) != t.steps:
-                _fail(where, field, (key,), problem=f"{len(values)} values for {t.steps} steps")
-    if set(t.band_ratio) != set(t.max_diff) or not set(t.oracle_diff) <= set(t.max_diff):
-        _fail(where, "band_ratio", problem="not the tensor kinds of max_diff")
-    for field in ("first_out_of_band", "non_finite"):
-        for key, step in getattr(t, field).items():
-            if step >= t.steps:
-                _fail(where, field, (key,), problem=f"step {step} of a run of {t.steps}")
-    # ``accumcheck.run.trajectory``: a tensor past its band is named in first_out_of_band at that step or
-    # before, and a nan is a non-finite loss or parameter, or a step not run after one.
-    first = min(t.first_out_of_band.values(), default=t.steps)
-    for kind, values in t.band_ratio.items():
-        past = next((step for step, value in enumerate(values) if value > 1.0), None)
-        if past is not None and first > past:
-            _fail(where, "band_ratio", (kind,), problem=f"past the band at step {past}, but first_out_of_band names "
-                  "no tensor by then")
-    if not t.non_finite:
-        for field in ("losses", "max_diff", "band_ratio"):
-            for key, values in getattr(t, field).items():
-                if any(math.isnan(v) for v in values):
-                    _fail(where, field, (key,), problem="nan, but non_finite names nothing")
+    def fail(*steps: Any, problem: str) -> None:
+        _fail(where, *steps, problem=problem)
+    t.check_relations(fail)
 
 
 RELATIONS: dict[type, Callable[[Any, Where], None]] = {

@@ -162,16 +162,19 @@ def test_every_report_the_judge_writes_is_read_back_strictly_bit_for_bit(data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(width=32), st.floats(width=32), st.floats(width=32)), min_size=1, max_size=4),
+@given(st.lists(st.tuples(st.floats(width=32), st.floats(width=32), st.floats(width=32), st.floats(width=32)),
+                min_size=1, max_size=4),
        st.integers(0, 2))
 def test_every_trajectory_is_read_back_strictly_bit_for_bit(steps, missing):
     trajectory = Trajectory({"w": "weight", "b": "bias"})
-    for step, (loss, a, b) in enumerate(steps):
-        trajectory.loss("native", step, loss)
-        trajectory.loss("manual", step, loss)
-        trajectory.record(step, {"w": np.array([a, 1.0]), "b": np.array([b])}, {"w": np.array([1.0, a]), "b": [a]})
+    for step, (loss, a, b, c) in enumerate(steps):
+        for mode in ("native", "manual", "control"):
+            trajectory.loss(mode, step, loss)
+        trajectory.record(step, {"w": np.array([a, 1.0]), "b": np.array([b])}, {"w": np.array([1.0, a]), "b": [a]},
+                          {"w": np.array([c, a]), "b": [c]})
     if missing:  # the run stopped: the steps not run are nan
         trajectory.diverged("optimizer update (overflow)", len(steps) - 1)
     report = trajectory.report("c", "adam", 1e-3, 2, len(steps) + missing, None, {})
     text = report.to_json()
-    assert report_from_data(json.loads(text)).to_json() == text
+    again = report_from_data(json.loads(text))
+    assert again.to_json() == text and again.exit_code == report.exit_code and again.summary() == report.summary()
