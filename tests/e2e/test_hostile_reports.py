@@ -135,11 +135,13 @@ TAMPERED: dict[str, tuple[str, Callable[[dict], None]]] = {
     "sweep-steps": ("sweep", at("reports", 1, "accum_steps")(-2)),
     # trajectory
     "trajectory-band-emptied": ("trajectory", at("first_out_of_band")({})),
-    "trajectory-short": ("trajectory", at("losses", "native")([0.5])),
+    "trajectory-short": ("trajectory", at("losses", "manual")([0.5])),
+    "trajectory-control-emptied": ("trajectory", at("first_out_of_control")({})),
+    "trajectory-margin-gone": ("trajectory", at("margin")(None)),
     "trajectory-steps": ("trajectory", at("steps")(5)),
     "trajectory-oob-negative": ("trajectory", at("first_out_of_band", "dense0.weight")(-1)),
     "trajectory-step-past": ("trajectory", at("first_out_of_band", "dense0.weight")(9)),
-    "trajectory-nan": ("trajectory", at("losses", "native", 2)("nan")),
+    "trajectory-nan": ("trajectory", at("losses", "manual", 2)("nan")),
     "trajectory-lr": ("trajectory", at("lr")("nan")),
     # training stack
     "stack-window-empty": ("stack", at("steps", 0, "micro_batches")([])),
@@ -163,7 +165,7 @@ ROWS: list[tuple[str, Refused | Verdict]] = [
     ("show {d}/faithful.json", Verdict(0, "OK: all 4 tensors faithful")),
     ("show {d}/cross.json", Verdict(1, "torch: FLAGGED 1; mxnet: FLAGGED 1")),
     ("show {d}/sweep.json", Verdict(1, "FLAGGED at N = 1, 2: dense0.weight")),
-    ("show {d}/trajectory.json", Verdict(1, "LEFT THE ROUND-OFF BAND at step 0")),
+    ("show {d}/trajectory.json", Verdict(1, "FLAGGED at step 0 (dense0.weight): native is ")),
     ("show {d}/stack.json", Verdict(1, "FLAGGED: 3 of 3 optimizer steps")),
     ("show {d}/data-parallel.json", Verdict(1, "FLAGGED")),
     ("show {d}/full-batch.json", Verdict(1, "")),
@@ -241,13 +243,16 @@ ROWS: list[tuple[str, Refused | Verdict]] = [
     ("show {d}/sweep-verdict.json", Refused(f"reports[1].tensors[0].verdict: 'bogus' {VERDICTS_LISTED}")),
     ("show {d}/sweep-steps.json", Refused("reports[1].accum_steps: -2 is less than 1")),
     # ---- trajectory
-    ("show {d}/trajectory-band-emptied.json", Refused("band_ratio['bias']: past the band at step 1, but "
+    ("show {d}/trajectory-band-emptied.json", Refused("band_ratio['weight']: past the band at step 0, but "
                                                       "first_out_of_band names no tensor by then")),
-    ("show {d}/trajectory-short.json", Refused("losses['native']: 1 values for 3 steps")),
-    ("show {d}/trajectory-steps.json", Refused("losses['native']: 3 values for 5 steps")),
+    ("show {d}/trajectory-short.json", Refused("losses['manual']: 1 values for 3 steps")),
+    ("show {d}/trajectory-control-emptied.json", Refused("control_ratio['weight']: past the margin at step 0, but "
+                                                         "first_out_of_control names no tensor by then")),
+    ("show {d}/trajectory-margin-gone.json", Refused("margin: none, but the report has a control")),
+    ("show {d}/trajectory-steps.json", Refused("losses['manual']: 3 values for 5 steps")),
     ("show {d}/trajectory-oob-negative.json", Refused("first_out_of_band['dense0.weight']: -1 is negative")),
     ("show {d}/trajectory-step-past.json", Refused("first_out_of_band['dense0.weight']: step 9 of a run of 3")),
-    ("show {d}/trajectory-nan.json", Refused("losses['native']: nan, but non_finite names nothing")),
+    ("show {d}/trajectory-nan.json", Refused("losses['manual']: nan, but non_finite names nothing")),
     ("show {d}/trajectory-lr.json", Refused("lr: nan is not a finite number")),
     # ---- training stack
     ("show {d}/stack-window-empty.json", Refused("steps[0].micro_batches: empty")),
