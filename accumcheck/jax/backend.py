@@ -9,6 +9,7 @@ import numpy as np
 
 from ..options.choices import ACCUM_DTYPES
 from ..options.spec import Option
+from ..report import TrajectoryReport
 from ..run.backend import Backend, Capabilities, Progress
 from ..run.config import RunConfig
 from ..run.results import RunResult
@@ -31,7 +32,7 @@ class JaxBackend(Backend):
     install = "pip install 'accumcheck[jax]'"
     capabilities = Capabilities(
         dtypes=("float32", "bfloat16"), accum_dtypes=ACCUM_DTYPES, options=(JIT, GRAD_MEAN, MASTER_WEIGHTS),
-        replay=True,
+        replay=True, trajectory=True,
         why_not={"dtype": "it runs float32 and bfloat16 parameters",
                  "mode": "GradAccumulator modes are PyTorch's and MXNet's; JAX's native slot is optax.MultiSteps",
                  "full_batch": "the full-batch reference is not built for JAX",
@@ -64,3 +65,9 @@ class JaxBackend(Backend):
         from .builtin import micro_gradients
 
         return micro_gradients(config, names, progress, weights)
+
+    def train(self, config: RunConfig, steps: int, optimizer: str, lr: float,
+              progress: Progress | None = None) -> TrajectoryReport:
+        from .train import train
+
+        return train(config, steps, optimizer, lr, self.versions(), progress)
