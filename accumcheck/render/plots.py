@@ -306,24 +306,33 @@ def png_bytes(fig: Any) -> bytes:
 
 
 def trajectory(report: TrajectoryReport) -> Any:
-    """Loss curves of each mode, and each tensor kind's native/manual parameter difference in
-    units of its round-off band (one float32 ulp), per optimizer step (counted from 0, as the table
-    and the summary count them). A step where native and manual parameters are identical is
-    marked on a row of its own, "identical", below the log scale (a zero has no place on it); the
-    steps after a loss or parameter went inf or nan are shaded."""
+    """Loss curves of each mode; each tensor kind's largest parameter difference from manual, native's
+    (solid) and the control's (dashed); and native's over the control's band (the control's
+    difference, or one float32 ulp where wider) against the margin, the region below it shaded: the
+    verdict. A report from before the control draws native's difference in float32 ulps against
+    the one-ulp band instead. Steps are counted from 0, as the table and the summary count them. A
+    step where native and manual parameters are identical is marked on a row of its own,
+    "identical", below the log scales (a zero has no place on them); the steps after a loss or
+    parameter went inf or nan are shaded."""
     report = shown(report)
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     steps = list(range(report.steps))
+    controlled = report.margin is not None
     zeros = {kind: [k for k, v in zip(steps, values) if v == 0] for kind, values in report.band_ratio.items()}
     identical = any(zeros.values())
-    fig, panels = plt.subplots(3 if identical else 2, 1, figsize=(8, 8.6 if identical else 8), sharex=True,
-                               constrained_layout=True, height_ratios=[4, 4, 1] if identical else [1, 1])
-    top, bottom = panels[0], panels[1]
-    for mode, style in (("native", "-"), ("manual", "--"), ("float64", ":")):
+    heights = ([4, 4, 4] if controlled else [4, 4]) + ([1] if identical else [])
+    fig, panels = plt.subplots(len(heights), 1, figsize=(8, (2.9 if controlled else 4) * len(heights) - 3 * identical
+                                                         + 0.6 * identical),
+                               sharex=True, constrained_layout=True, height_ratios=heights)
+    top, bottom = panels[0], panels[len(heights) - 1 - identical]
+    alone = "native" not in report.losses  # native and the control fed manual's micro-gradients: its training
+    for mode, style in (("native", "-"), ("manual", "-" if alone else "--"), ("control", "-."), ("float64", ":")):
         if mode in report.losses:
-            top.plot(steps, report.losses[mode], style, linewidth=2, label=mode)
+            top.plot(steps, report.losses[mode], style, linewidth=2,
+                     label="manual: the training whose micro-gradients every mode takes" if alone and mode == "manual"
+                     else mode)
     plain = ScalarFormatter(useOffset=False)  # the loss as it is, not "1e-7 + 6.9314e-1"
     plain.set_scientific(False)
     top.yaxis.set_major_formatter(plain)
@@ -332,22 +341,28 @@ def trajectory(report: TrajectoryReport) -> Any:
                   + (f", injected {report.inject}" if report.inject else ""))
     top.legend(loc="best")
     top.grid(True, alpha=0.3)
-    drawn = False
-    for kind, values in report.band_ratio.items():
-        positive = [v if v > 0 else np.nan for v in values]  # a zero is drawn on the "identical" row
-        if any(v > 0 for v in values):
-            drawn = True
-        bottom.plot(steps, positive, "o-", color=KIND_COLOURS.get(kind, "grey"), label=kind)
-    bottom.axhline(1.0, color="black", linewidth=1.5, linestyle="--", label="round-off band (1 float32 ulp)")
+    if controlled:
+        _gaps(panels[1], report, steps)
+        drawn = _judged(bottom, report, steps)
+        bottom.set_ylabel("native's difference /\nthe control's band")
+    else:
+        drawn = False
+        for kind, values in report.band_ratio.items():
+            positive = [v if v > 0 else np.nan for v in values]  # a zero is drawn on the "identical" row
+            drawn = drawn or any(v > 0 for v in values)
+            bottom.plot(steps, positive, "o-", color=KIND_COLOURS.get(kind, "grey"), label=kind)
+        bottom.axhline(1.0, color="black", linewidth=1.5, linestyle="--", label="round-off band (1 float32 ulp)")
+        bottom.set_ylabel("max |θ native − θ manual| / ulp(max |θ|)")
     bottom.set_yscale("log")
+    for ax in panels[1:len(panels) - identical]:
+        _powers(ax)
     if not drawn and identical:  # nothing above zero: say so, rather than leave the panel blank
         compared = " compared" if report.non_finite else ""
         bottom.text(0.5, 0.3, f"native and manual parameters identical at every step{compared}", ha="center",
                     transform=bottom.transAxes, color="#444444")
-    bottom.set_ylabel("max |θ native − θ manual| / ulp(max |θ|)")
     bottom.grid(True, alpha=0.3)
     if identical:
-        row = panels[2]
+        row = panels[-1]
         kinds = list(report.band_ratio)
         for i, kind in enumerate(kinds):  # each kind a little apart, so that none hides another
             offset = (i - (len(kinds) - 1) / 2) * 0.25
@@ -360,12 +375,56 @@ def trajectory(report: TrajectoryReport) -> Any:
         for ax in panels:
             ax.axvspan(first - 0.5, report.steps - 0.5, color="grey", alpha=0.15, linewidth=0,
                        label="inf or nan: not compared" if ax is bottom else None)
-    bottom.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=4, frameon=False, fontsize=9)
+    bottom.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2 if controlled else 4, frameon=False, fontsize=9)
     last = panels[-1]
     last.xaxis.set_major_locator(MaxNLocator(integer=True))
     last.set_xlabel("optimizer step (counted from 0)")
     last.set_xlim(-0.5, max(report.steps - 0.5, 0.5))
     return fig
+
+
+def _gaps(ax: Any, report: TrajectoryReport, steps: list[int]) -> None:
+    """Each kind's largest parameter difference from manual: native's solid, the control's dashed."""
+    for kind, values in report.max_diff.items():
+        colour = KIND_COLOURS.get(kind, "grey")
+        ax.plot(steps, [v if v > 0 else np.nan for v in values], "o-", color=colour, label=f"{kind}: native")
+        ax.plot(steps, [v if v > 0 else np.nan for v in report.control_diff.get(kind, [])] or [np.nan] * len(steps),
+                "--", color=colour, alpha=0.8, label=f"{kind}: control")
+    ax.set_yscale("log")
+    ax.set_ylabel("max |θ − θ manual|")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=4, frameon=False, fontsize=9,
+              title="the control: manual's micro-batches summed last to first", title_fontsize=9, alignment="left")
+
+
+def _powers(ax: Any) -> None:
+    """A log axis ticked at powers of ten written as text (10⁻⁵): mathtext is off for names."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    digits = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=8))
+    ax.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: "1" if v == 1 else "10" + str(round(math.log10(v))).translate(digits) if v > 0 else ""))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _judged(ax: Any, report: TrajectoryReport, steps: list[int]) -> bool:
+    """Native's difference over the control's band per kind, the margin and the region below it;
+    whether anything above zero was drawn."""
+    margin = report.margin or 1.0
+    drawn = False
+    for kind, values in report.control_ratio.items():
+        drawn = drawn or any(v > 0 for v in values)
+        ax.plot(steps, [v if v > 0 else np.nan for v in values], "o-", color=KIND_COLOURS.get(kind, "grey"), label=kind)
+    ax.axhspan(0, margin, color="#2ca02c", alpha=0.08, linewidth=0,
+               label=f"within {margin:g}× the control's band: as two valid orders differ")
+    ax.axhline(margin, color="#8b0000", linewidth=1.5, linestyle="--", label=f"margin ({margin:g}×): flagged above")
+    ax.axhline(1.0, color="black", linewidth=1, linestyle=":", label="the control's band")
+    peak = max((v for values in report.control_ratio.values() for v in values if math.isfinite(v)), default=1.0)
+    low = min((v for values in report.control_ratio.values() for v in values if math.isfinite(v) and v > 0),
+              default=0.1)
+    ax.set_ylim(min(low, 0.1) / 2, max(peak, margin) * 4)
+    return drawn
 
 
 def save_plot(report: TrajectoryReport, path: str | Path) -> Path:

@@ -256,19 +256,40 @@ def render_sweep_table(sweep: SweepReport, console: Console) -> None:
 
 
 def trajectory_columns(report: TrajectoryReport) -> list[Col]:
-    """One row an optimizer step: each mode's loss and each tensor kind's native/manual parameter
-    difference in float32 ulps."""
+    """One row an optimizer step: each mode's loss and, each tensor kind's columns together, native's
+    and the control's largest parameter difference from manual, native's over the control's band
+    (the verdict's figure) and native's in float32 ulps. A report from before the control has the
+    ulps alone."""
     steps = range(report.steps)
-    return ([Col("step", _cells([str(k) for k in steps]), key=True)]
-            + [Col(f"loss {m}", _cells([f"{report.losses[m][k]:.6g}" for k in steps]), rank=0, group="loss")
-               for m in report.losses]
-            + [Col(f"{kind} ulps", _cells([num(report.band_ratio[kind][k]) for k in steps]), rank=1)
-               for kind in report.band_ratio])
+    columns = ([Col("step", _cells([str(k) for k in steps]), key=True)]
+               + [Col(f"loss {m}", _cells([f"{report.losses[m][k]:.6g}" for k in steps]), rank=0, group="loss")
+                  for m in report.losses])
+    for kind in report.band_ratio:
+        if kind in report.control_ratio:
+            flagged = [report.margin is not None and report.control_ratio[kind][k] > report.margin for k in steps]
+            columns += [Col(f"{kind} gap", _cells([num(report.max_diff[kind][k]) for k in steps]), rank=1, group=kind),
+                        Col(f"{kind} control", _cells([num(report.control_diff[kind][k]) for k in steps]), rank=1,
+                            group=kind),
+                        Col(f"{kind} ×control", [Text(num(report.control_ratio[kind][k]), style="bold red" if bad
+                                                      else "") for k, bad in zip(steps, flagged)], rank=1, group=kind)]
+        columns.append(Col(f"{kind} ulps", _cells([num(report.band_ratio[kind][k]) for k in steps]), rank=2,
+                           group=kind if kind in report.control_ratio else ""))
+    return columns
+
+
+def trajectory_legend(report: TrajectoryReport) -> dict[str, str]:
+    """The trajectory table's own words for its column families (KIND gap, ...), for ``legend``."""
+    if report.margin is None:
+        return {}
+    return {"KIND gap": "max |θ native − θ manual|",
+            "KIND control": "max |θ control − θ manual|, the control: manual summed last micro-batch first",
+            "KIND ×control": f"gap over the control's (or one float32 ulp, if wider); past {report.margin:g}: flagged"}
 
 
 def _trajectory_layout(report: TrajectoryReport) -> Layout:
     title = (f"{report.case}: native vs manual, {report.optimizer} lr {report.lr:g}, N = {report.accum_steps}; "
-             "parameter difference in float32 ulps")
+             + ("parameter difference in float32 ulps" if report.margin is None else
+                "parameter difference against the control's"))
     return Layout(lambda part: Table(title=Text(title) if part == 0 else None))
 
 
@@ -279,8 +300,22 @@ def trajectory_table(report: TrajectoryReport) -> Table:
 
 def render_trajectory(report: TrajectoryReport, console: Console) -> None:
     report = shown(report)
-    _tables(console, trajectory_columns(report), _trajectory_layout(report))
+    columns = trajectory_columns(report)
+    for table in fitted(columns, console.width, _trajectory_layout(report)):
+        console.print(table)
+    words = legend([_family(c.header, report) for c in columns], trajectory_legend(report))
+    if words:
+        console.print(Text(words, style="dim"), soft_wrap=False)
     _summary(console, report.summary(), bool(report.exit_code))
+
+
+def _family(header: str, report: TrajectoryReport) -> str:
+    """A kind's column by its family (weight ×control -> KIND ×control), so that the legend says it once."""
+    for kind in report.control_ratio:
+        for family in ("gap", "control", "×control"):
+            if header == f"{kind} {family}":
+                return f"KIND {family}"
+    return header
 
 
 # ----------------------------------------------------------------------------- training stacks

@@ -256,9 +256,9 @@ def test_the_scatter_labels_never_overlap_nor_leave_the_axes():
 def _trajectory(band: dict[str, list[float]], steps: int = 4, **fields) -> TrajectoryReport:
     # losses that differ in the 8th digit: matplotlib would write them as 1e-7 + 6.9314e-1
     losses = {mode: [0.69314718 + 1e-7 * k for k in range(steps)] for mode in ("native", "manual")}
+    fields.setdefault("max_diff", band)
     return TrajectoryReport(case="toy", optimizer="adam", lr=1e-3, accum_steps=4, steps=steps, inject=None,
-                            versions={}, losses=losses, max_diff=band, band_ratio=band, first_out_of_band={},
-                            **fields)
+                            versions={}, losses=losses, band_ratio=band, first_out_of_band={}, **fields)
 
 
 def test_the_trajectory_writes_the_loss_plainly_ticks_whole_steps_and_marks_identical_steps():
@@ -285,6 +285,44 @@ def test_a_trajectory_without_identical_steps_has_no_identical_row_and_a_non_fin
     assert len(fig.axes) == 2
     legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert "inf or nan: not compared" in legend
+
+
+def _controlled(**fields) -> TrajectoryReport:
+    """Three steps of one kind with the control: native's gap 1e-6 then 5e-4 (past 100 x the
+    control's 1e-6 at step 2), identical at step 0."""
+    return _trajectory({"weight": [0.0, 8.0, 4000.0]}, steps=3, max_diff={"weight": [0.0, 1e-6, 5e-4]},
+                       control_diff={"weight": [1e-6, 1e-6, 1e-6]}, control_ratio={"weight": [0.0, 1.0, 500.0]},
+                       margin=100.0, first_out_of_control={"w": 2}, **fields)
+
+
+def test_a_trajectory_with_a_control_draws_both_gaps_and_shades_the_controls_band_up_to_the_margin():
+    fig = trajectory(_controlled())
+    fig.canvas.draw()
+    loss, gaps, judged, identical = fig.axes
+    gap_lines = {line.get_label(): line for line in gaps.get_lines()}
+    assert set(gap_lines) == {"weight: native", "weight: control"}
+    assert list(gap_lines["weight: control"].get_ydata()) == [1e-6, 1e-6, 1e-6]
+    legend = [t.get_text() for t in judged.get_legend().get_texts()]
+    assert "margin (100×): flagged above" in legend
+    assert "within 100× the control's band: as two valid orders differ" in legend
+    assert any(line.get_ydata()[0] == 100.0 for line in judged.get_lines() if line.get_label().startswith("margin"))
+    shaded = [patch for patch in judged.patches if patch.get_label().startswith("within")]
+    assert shaded and shaded[0].get_extents().height > 0
+    ticks = [t.get_text() for t in judged.get_yticklabels() if t.get_text()]
+    assert ticks and all("$" not in t for t in ticks)  # powers of ten as text, not mathtext source
+    assert [t.get_text() for t in identical.get_yticklabels()] == ["identical"]
+
+
+def test_the_trajectory_table_shows_the_control_gap_beside_native_and_marks_a_flagged_step():
+    from accumcheck.render.table import trajectory_columns, trajectory_legend
+
+    columns = {column.header: column for column in trajectory_columns(_controlled())}
+    assert {"weight gap", "weight control", "weight ×control", "weight ulps"} <= set(columns)
+    assert [cell.plain for cell in columns["weight control"].cells] == ["1.00e-06"] * 3
+    assert [cell.style for cell in columns["weight ×control"].cells] == ["", "", "bold red"]
+    assert "past 100: flagged" in trajectory_legend(_controlled())["KIND ×control"]
+    old = {column.header for column in trajectory_columns(_trajectory({"weight": [0.0, 2.0]}, steps=2))}
+    assert "weight control" not in old and "weight ulps" in old  # a report from before the control
 
 
 def test_the_heatmap_titles_carry_the_label_and_cause_and_its_ticks_the_tensor_indices():

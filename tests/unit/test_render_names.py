@@ -123,6 +123,12 @@ def hostile_trajectory():
                             band_ratio={HOSTILE: [0.0, 2.0]}, first_out_of_band={HOSTILE: 1})
 
 
+def hostile_controlled_trajectory():
+    """The hostile trajectory with a control: a hostile kind's columns, legend and plot lines."""
+    return dataclasses.replace(hostile_trajectory(), control_diff={HOSTILE: [1.0, 1.0]},
+                               control_ratio={HOSTILE: [0.0, 1.0]}, margin=100.0)
+
+
 def hostile_diff():
     a = hostile_report()
     b = copy.deepcopy(a)
@@ -188,6 +194,10 @@ def test_the_pictures_draw_an_escaped_name_and_never_read_it_as_mathtext():
     texts += [ax.get_title() for ax in maps.axes] + [maps._suptitle.get_text()]
     texts += [ax.get_title() for ax in growth(hostile_sweep().reports).axes]
     texts += [ax.get_title() for ax in trajectory(hostile_trajectory()).axes]
+    controlled = trajectory(hostile_controlled_trajectory())
+    controlled.canvas.draw()  # mathtext would fail here on the name's $a$, in a legend too
+    texts += [ax.get_title() for ax in controlled.axes]
+    texts += [t.get_text() for ax in controlled.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
     assert any(SHOWN in t for t in texts)
     assert all(raw(t) == [] for t in texts)
 
@@ -255,6 +265,10 @@ def reports_of_every_kind():
     yield "stack", hostile_stack("padded-tokens"), [], ["constant-factor"]
     traj = dataclasses.replace(hostile_trajectory(), band_ratio={"embedding": [0.0, 2.0], "weight": [1.0, 3.0]})
     yield "trajectory", traj, [], []
+    yield "trajectory", dataclasses.replace(hostile_controlled_trajectory(), band_ratio=traj.band_ratio,
+                                            max_diff={"embedding": [0.0, 1e-6], "weight": [1e-7, 2e-6]},
+                                            control_diff={"embedding": [1e-6, 1e-6], "weight": [1e-7, 1e-6]},
+                                            control_ratio={"embedding": [0.0, 1.0], "weight": [1.0, 2.0]}), [], []
     other = copy.deepcopy(fixture)
     other.tensors[0].verdict = "identical"
     diff = diff_reports(fixture, other, ("a.json", "b.json"))
