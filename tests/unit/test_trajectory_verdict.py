@@ -3,7 +3,9 @@ against the control's (manual's micro-batches summed last to first, a second val
 report from before the control judged by the one-ulp band as it was; inf or nan told apart by
 whether a valid order went there too."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +37,8 @@ def test_a_gap_as_wide_as_the_controls_is_amplified_round_off():
 def test_a_gap_past_the_margin_is_flagged_at_its_first_step():
     report = _run([1e-6, 1e-6 * MARGIN * 2], [1e-6, 1e-6])
     assert report.exit_code == 1 and report.first_out_of_control == {"w": 1}
-    assert report.summary().startswith("FLAGGED at step 1 (w): native is 200x further from manual than the control")
+    assert report.summary().startswith(f"FLAGGED at step 1 (w): native is {2 * MARGIN:g}x further from manual than "
+                                       "the control")
 
 
 def test_the_one_ulp_band_is_the_floor_where_the_control_agrees_with_manual():
@@ -91,3 +94,20 @@ def test_a_control_that_disagrees_with_itself_is_refused_naming_the_field(edit, 
     with pytest.raises(AccumcheckError) as caught:
         report_from_data(data)
     assert str(caught.value).startswith(f"<report>: {problem}")
+
+
+def test_the_margin_is_the_one_the_committed_measurement_justifies():
+    """benchmarks/bench_trajectory_margin.py's last run (docs/trajectory.md quotes it): every
+    faithful run passes with room to spare (on both kernel sets), and nearly every fault is flagged."""
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench", root / "benchmarks" / "bench_trajectory_margin.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = json.loads((root / "benchmarks" / "results" / "bench_trajectory_margin.json").read_text())
+    assert data["margin"] == MARGIN
+    found = bench.summarise(data["rows"], MARGIN)
+    assert found["faithful_runs"] >= 80 and found["faithful_flagged"] == 0
+    assert found["faithful_max"] * 3 <= MARGIN
+    assert found["faults_flagged"] >= 0.9 * found["fault_runs"]
+    assert {r["framework"].split()[0] for r in data["rows"]} == {"torch", "mxnet", "jax"}
+    assert {r["kernels"] for r in data["rows"] if bench.kind_of(r) == "faithful"} == {"baseline", "own"}
