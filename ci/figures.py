@@ -251,12 +251,7 @@ def torch_figures() -> dict[str, str]:
     figures["torch.accumulator.compensated-ulps"] = sig(compensated, 2)
     figures["torch.accumulator.plain-ulps"] = rounded(plain)
 
-    adam = accumcheck.train("tiny-grads", steps=15, optimizer="adam", inject="roundoff", oracle=True)
-    sgd = accumcheck.train("tiny-grads", steps=15, optimizer="sgd", inject="roundoff", oracle=True)
-    figures["torch.train.adam-first"] = str(min(adam.first_out_of_band.values()))
-    figures["torch.train.adam-step9"] = power_of_ten(max(v[9] for v in adam.band_ratio.values()))
-    sgd_worst = max(max(v) for v in sgd.band_ratio.values())
-    figures["torch.train.sgd"] = "half an ulp" if sgd_worst <= 0.5 else f"{sig(sgd_worst, 2)} ulps"
+    figures.update(torch_train_figures())
 
     def flagged_at(case: str, n: int) -> bool:
         return accumcheck.compare(case, framework="torch", accum_steps=n, inject="scale").exit_code == 1
@@ -276,6 +271,23 @@ def torch_figures() -> dict[str, str]:
     ratios = [max(t.ratio for t in tensors) for tensors in clean]
     figures["torch.clean.ratios"] = f"{sig(min(ratios), 2)}–{sig(max(ratios), 2)}"
     return figures
+
+
+def torch_train_figures() -> dict[str, str]:
+    """accumcheck train on PyTorch: a valid reordering under Adam (amplified, within the control's
+    band) and a fault (past it)."""
+    import accumcheck
+
+    adam = accumcheck.train("tiny-grads", steps=15, optimizer="adam", inject="roundoff", oracle=True)
+    command = ["train", "--case", "tiny-grads", "--steps", "15", "--inject", "roundoff"]
+    _, out = cli(*command)
+    fault = accumcheck.train("shared-weight", steps=15, optimizer="adam", inject="double-step")
+    return {"torch.train.adam-ulps": power_of_ten(max(max(v) for v in adam.band_ratio.values())),
+            "torch.train.adam-first": str(min(adam.first_out_of_band.values())),
+            "torch.train.adam-ratio": sig(max(max(v) for v in adam.control_ratio.values()), 2),
+            "torch.train.summary": f"`{out.strip().splitlines()[-1]}`",
+            "torch.train.fault": f"`{fault.summary()}`",
+            "torch.train.clean": f"`{accumcheck.train('shared-weight', steps=15, optimizer='adam').summary()}`"}
 
 
 @group("your-model", needs="transformers")
@@ -399,17 +411,14 @@ def mxnet_train_figures() -> dict[str, str]:
     """accumcheck train --framework mxnet: gluon.Trainer over grad_req='add' against the buffer."""
     import accumcheck
 
-    adam = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="adam", inject="roundoff", oracle=True)
-    sgd = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="sgd", inject="roundoff", oracle=True)
-    clean = accumcheck.train("tiny-grads", framework="mxnet", steps=15, optimizer="adam")
     shared = accumcheck.train("shared-weight", framework="mxnet", steps=15, optimizer="adam")
-    figures = {"mxnet.train.adam-first": str(min(adam.first_out_of_band.values())),
-               "mxnet.train.adam-step9": power_of_ten(max(v[9] for v in adam.band_ratio.values())),
-               "mxnet.train.clean": "stays within the band" if clean.exit_code == 0 else "leaves the band"}
-    sgd_worst = max(max(v) for v in sgd.band_ratio.values())
-    figures["mxnet.train.sgd"] = "half an ulp" if sgd_worst <= 0.5 else f"{sig(sgd_worst, 2)} ulps"
-    figures["mxnet.train.shared"] = (f"leaves it at step {min(shared.first_out_of_band.values())}"
-                                     if shared.first_out_of_band else "stays within it")
+    sgd = accumcheck.train("shared-weight", framework="mxnet", steps=15, optimizer="sgd", lr=1e-2)
+    fault = accumcheck.train("shared-weight", framework="mxnet", steps=15, optimizer="adam", inject="double-step")
+    figures = {"mxnet.train.shared": f"`{shared.summary()}`",
+               "mxnet.train.shared-first": str(min(shared.first_out_of_band.values())),
+               "mxnet.train.shared-ulps": sig(max(max(v) for v in shared.band_ratio.values()), 2),
+               "mxnet.train.shared-sgd": sig(max(max(v) for v in sgd.control_ratio.values()), 2),
+               "mxnet.train.fault": f"`{fault.summary()}`"}
     plain = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16")
     master = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16", multi_precision=True)
     fixed = accumcheck.compare("transformer-small", framework="mxnet", dtype="float16", mode="compensated")
@@ -418,10 +427,20 @@ def mxnet_train_figures() -> dict[str, str]:
     same = [(t.name, t.verdict) for t in master.tensors] == [(t.name, t.verdict) for t in plain.tensors]
     figures["mxnet.fp16.master"] = "the same verdicts" if same else "other verdicts"
     figures["mxnet.fp16.compensated"] = f"exit code {fixed.exit_code}"
-    # the same SGD run as mxnet.160.train, on a release without apache/mxnet#16708
-    split = accumcheck.train("shared-weight", framework="mxnet", steps=5, optimizer="sgd", lr=1e-2)
-    figures["mxnet.train.shared-sgd"] = f"{sig(max(v[0] for v in split.band_ratio.values()), 2)} ulps"
     return figures
+
+
+@group("jax-train", needs="jax")
+def jax_train_figures() -> dict[str, str]:
+    """accumcheck train --framework jax: MultiSteps' running mean and running sum against the control."""
+    import accumcheck
+
+    mean = accumcheck.train("tiny-grads", framework="jax", steps=15, optimizer="adam")
+    total = accumcheck.train("tiny-grads", framework="jax", steps=15, optimizer="adam", grad_mean=False)
+    shared = accumcheck.train("shared-weight", framework="jax", steps=15, optimizer="adam")
+    return {"jax.train.mean": f"`{mean.summary()}`", "jax.train.sum": f"`{total.summary()}`",
+            "jax.train.mean-bias": e_notation(mean.max_diff["bias"][0]),
+            "jax.train.shared": f"`{shared.summary()}`"}
 
 
 @group("mxnet-1.6.0", needs="mxnet==1.6.0")
@@ -447,9 +466,8 @@ def mxnet_16708_figures() -> dict[str, str]:
                         "--output", str(new)], capture_output=True, check=True, timeout=900)
         diff = subprocess.run([fixed, "diff", str(old), str(new)], capture_output=True, text=True, timeout=900)
     figures["mxnet.160.diff"] = f"`{diff.stdout.strip().splitlines()[-1]}`"
-    split = accumcheck.train("shared-weight", framework="mxnet", steps=5, optimizer="sgd", lr=1e-2)
-    figures["mxnet.160.train"] = (f"step {min(split.first_out_of_band.values())}, "
-                                  f"{power_of_ten(max(v[0] for v in split.band_ratio.values()))} ulps apart")
+    split = accumcheck.train("shared-weight", framework="mxnet", steps=15, optimizer="adam")
+    figures["mxnet.160.train"] = f"`{split.summary()}`"
     return figures
 
 
@@ -678,7 +696,7 @@ def check(generated: dict[str, dict[str, str]]) -> list[str]:
 
 def unknown_marks() -> list[str]:
     known_prefixes = {"torch", "your-model", "dp", "mxnet", "bench", "mutation", "stack", "trainer", "models", "parallel",
-                      "trainer-ddp", "deepspeed", "gluon-contexts"}
+                      "trainer-ddp", "deepspeed", "gluon-contexts", "jax"}
     return [f"{path.relative_to(ROOT)}: {name}: no group makes it" for path, name, _ in marks()
             if name.split(".")[0] not in known_prefixes]
 
