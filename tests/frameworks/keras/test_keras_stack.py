@@ -8,12 +8,16 @@ runs Keras 3.4.1 itself."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+# Keras runs on its PyTorch backend here (the one accumcheck.integrations.keras checks), chosen before keras is
+# first imported; not in a conftest.py of this folder, whose module name would shadow tests/conftest.py's
+os.environ.setdefault("KERAS_BACKEND", "torch")
 try:
     import keras
 except ImportError as exc:  # not installed, or its backend (KERAS_BACKEND) does not import
