@@ -90,7 +90,7 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     result = dataclasses.replace(result, explanation=explanation)
     update = None if window.update is None else judge_update(window.update, max(1, len(window.micro_batches) // world))
     return StackStep(step=window.step, micro_batches=list(window.micro_batches), result=result, precision=precision,
-                     update=update)
+                     update=update, reference=window.reference, reference_note=window.reference_note)
 
 
 def _per_rank(micro_batches: list[int], counts: list[int], world: int) -> list[int]:

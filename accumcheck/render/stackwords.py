@@ -21,8 +21,34 @@ def stack_header_lines(report: StackReport) -> list[str]:
                       "dtypes")
     return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} {tolerance}; "
             f"{versions}",
-            *report.notes, report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
-                                                   else "; every micro-batch seen reached an optimizer step")]
+            *report.notes, reference_line(report),
+            report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
+                                    else "; every micro-batch seen reached an optimizer step")]
+
+
+def reference_line(report: StackReport) -> str:
+    """How each step's reference (its window's gradient) was computed: "reference: micro-batch by
+    micro-batch, the window's normalisation (...) at steps 0-3; window as one batch (one
+    micro-batch) at step 4"."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for s in report.steps:
+        groups.setdefault((s.reference, s.reference_note), []).append(s.step)
+    parts = []
+    for (reference, note), steps in groups.items():
+        where = "at every step" if len(groups) == 1 else f"at step{'s' * (len(steps) > 1)} {_steps(steps)}"
+        parts.append(f"{reference}{f' ({note})' if note else ''} {where}")
+    return "reference: " + ("; ".join(parts) if parts else "none computed")
+
+
+def _steps(steps: list[int]) -> str:
+    """Step numbers as runs: "0-3, 5"."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def stack_rows(report: StackReport) -> list[list[str]]:

@@ -30,7 +30,7 @@ from ..bounds import UNIT_ROUNDOFF
 from ..options.choices import FAIL_ON
 from .cross import CROSS_VERDICTS, Agreement, CrossReport, OddOneOut
 from .single import DataParallelResult, DataParallelSetup, FullBatchResult, Report
-from .stack import StackReport
+from .stack import REFERENCES, StackReport, StackStep
 from .sweep import SweepReport
 from .tensor import (
     CAUSE_KINDS,
@@ -174,6 +174,7 @@ FIELDS: dict[type, dict[str, Rule]] = {
                        "accum_steps": POSITIVE_INT, "losses": signed, "margin": at_least(1.0, finite=True)},
     StackReport: {"kind": one_of(("stack",)), "accum_steps": POSITIVE_INT, "precision": one_of(DTYPES),
                   "tolerance": SETTING},
+    StackStep: {"reference": one_of(REFERENCES)},
 }
 
 

@@ -10,6 +10,12 @@ from .single import FullBatchResult
 from .values import SCHEMA_VERSION, Serialised
 
 STEP_VERDICTS = ("faithful", "batch-level", "precision-loss", "constant-factor", "mismatch", "non-finite", "update")
+# How a step's reference, its window's gradient, was computed: on the window's micro-batches joined as
+# one batch, or micro-batch by micro-batch under the window's normalisation (one micro-batch's
+# activations at a time: ``accumcheck.torch.stacks.reference``)
+JOINED = "window as one batch"
+SPLIT = "micro-batch by micro-batch, the window's normalisation"
+REFERENCES = (JOINED, SPLIT)
 
 
 @dataclass
@@ -67,6 +73,8 @@ class StackStep:
     result: FullBatchResult  # applied gradient (A) against the window as one batch (F)
     precision: StepPrecisionFit | None = None  # where the stack runs below float64
     update: StepUpdateResult | None = None  # what the step did with the gradient, where watched
+    reference: str = JOINED  # how F was computed (REFERENCES); reports saved before it was said: joined
+    reference_note: str = ""  # why that reference, or how it weighted the micro-batches
 
     @property
     def explanation(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..report import DataParallelSetup
+from ..report.stack import JOINED
 
 
 @dataclass
@@ -205,3 +206,5 @@ class StackWindow:
     precision: StepPrecision | None = None  # where the stack does not apply its gradient in float64
     absum: dict[str, np.ndarray] | None = None  # with precision: sum of |micro-batch gradients|, the round-off scale
     update: StepUpdate | None = None  # what the optimizer step did with the gradient, where the stack watched it
+    reference: str = JOINED  # how ``window`` was computed (``accumcheck.report.stack.REFERENCES``)
+    reference_note: str = ""  # why that reference, or how it weighted the micro-batches

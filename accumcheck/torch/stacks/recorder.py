@@ -29,6 +29,7 @@ from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
 from ..userbatch import item_count
 from .batches import join_padded, predicted_count
+from .reference import ReferencePlan, add_gradients, plan_reference, reference_choice, weighted_absum, weighted_sum
 from .stepwatch import StepWatch
 from .world import World
 
@@ -214,7 +215,9 @@ class StackRecorder:
     ``window_loss(model, batch)`` is the loss of a batch as the stack computes it (or the loss
     and a mapping of its additive terms by name, each a scalar tensor), applied to
     the window's micro-batches joined (``join_window``, default: concatenated along dim 0,
-    sequences right-padded to one length). ``capture()`` is called before clipping and, as a
+    sequences right-padded to one length), or micro-batch by micro-batch where the loss is shown
+    to be a mean over the window's items (``window_reference``: "auto", "joined" or
+    "micro-batches", ``accumcheck.torch.stacks.reference``). ``capture()`` is called before clipping and, as a
     fallback, from the optimizer's step pre-hook; a window is captured once. ``stepped()`` counts
     the stack's real optimizer steps (``optimizer_steps``) and, in ``unrecorded``, those with no
     micro-batch recorded since the step before: steps the check did not judge.
@@ -233,8 +236,9 @@ class StackRecorder:
                  join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False, *,
                  applied_gradient: Callable[[str, torch.nn.Parameter], torch.Tensor | None] | None = None,
                  reference: Callable[[], torch.nn.Module] | None = None,
-                 precision: StepPrecision | None = None) -> None:
+                 precision: StepPrecision | None = None, window_reference: str = "auto") -> None:
         self.model = model
+        self.window_reference = reference_choice(window_reference, "stack check")  # ``stacks.reference``
         self.window_loss = window_loss
         self.join_window = join_window or join_padded
         self.labelled = labelled  # (inputs, target) batches: count the target's items
@@ -310,7 +314,8 @@ class StackRecorder:
 
     def capture(self) -> None:
         """The current window: the gradient the optimizer is about to apply, and the window's as one
-        batch (the stack's gradients and buffers are put back before it goes on). Where the loss has
+        batch, or micro-batch by micro-batch under the window's normalisation where its loss splits
+        (``stacks.reference``; the stack's gradients and buffers are put back before it goes on). Where the loss has
         additive terms, or the window's gradient is not what was applied, also what else may
         explain it (``Hypotheses``): each term's gradient on the window and summed over the
         micro-batches, the micro-batches' own losses' gradients summed, and in a data-parallel run
@@ -332,18 +337,27 @@ class StackRecorder:
         grads = [p.grad for _, p in ref_named]
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         hypotheses = Hypotheses(takes_item_count=self.takes_item_count, by_design=batch_level_modules(module))
-        absum = None
+        absum = micro = None
         if self.step_watch is not None:  # the reference's own calls are not the stack's
             self.step_watch.paused = True
         try:
             with torch.enable_grad():
-                window, term_windows = self._gradients(module, ref_named, self.join_window(batches))
+                plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
+                                      self.join_window, hypotheses.by_design)
+                if plan.split:  # each micro-batch's own gradient, kept for the hypotheses below
+                    micro = self._micro_batch_sums(module, ref_named, batches)
+                    if micro[1]:  # terms the probe's rows did not have: the window as one batch
+                        plan = ReferencePlan(False, "the loss has additive terms of its own")
+                if plan.split:
+                    window, term_windows = weighted_sum(micro[2], plan.weights), {}
+                else:
+                    window, term_windows = self._gradients(module, ref_named, self.join_window(batches))
                 if term_windows:
                     hypotheses.main = {name: g - sum(t[name] for t in term_windows.values())
                                        for name, g in window.items()}
                 close = largest_difference(applied, window)[0] <= SEMANTIC_TOLERANCE
                 if term_windows or not close or self.precision is not None:
-                    micro_sum, summed, each = self._micro_batch_sums(module, ref_named, batches)
+                    micro_sum, summed, each = micro or self._micro_batch_sums(module, ref_named, batches)
                     hypotheses.micro_sum = micro_sum
                     hypotheses.micro_batches = None if close else each
                     absum = [{name: np.abs(g) for name, g in gradient.items()} for gradient in each]
@@ -363,13 +377,14 @@ class StackRecorder:
         predicted = [predicted_count(b) for b in batches]
         known = None not in counts
         if absum is not None and self.precision is not None:
-            absum = _weighted_absum(absum, counts if known else None)
+            absum = weighted_absum(absum, counts if known else None)
         self.windows.append(StackWindow(step=len(self.windows), micro_batches=indices,
                                         applied=applied, window=window,
                                         item_counts=counts if known else None,
                                         predicted_counts=None if None in predicted else predicted,
                                         hypotheses=hypotheses, world_size=world.size,
-                                        precision=self.precision, absum=absum))
+                                        precision=self.precision, absum=absum, reference=plan.reference,
+                                        reference_note=plan.note))
         self.pending = []
         self._captured = True
         self._window_step = self.optimizer_steps
@@ -400,10 +415,10 @@ class StackRecorder:
         each: list[Gradients] = []
         for batch in batches:
             gradient, term_gradients = self._gradients(module, named, self.join_window([batch]))
-            _add(total, gradient)
+            add_gradients(total, gradient)
             each.append(gradient)
             for name, g in term_gradients.items():
-                _add(terms.setdefault(name, {}), g)
+                add_gradients(terms.setdefault(name, {}), g)
         return total, terms, each
 
     def _rank_windows(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
@@ -424,11 +439,6 @@ class StackRecorder:
 Gradients = dict[str, np.ndarray]
 
 
-def _add(total: Gradients, gradient: Gradients) -> None:
-    for name, g in gradient.items():
-        total[name] = total[name] + g if name in total else g.copy()
-
-
 def _grad(p: torch.Tensor) -> np.ndarray:
     return _array(p.grad, p)
 
@@ -436,15 +446,3 @@ def _grad(p: torch.Tensor) -> np.ndarray:
 def _array(grad: torch.Tensor | None, p: torch.Tensor) -> np.ndarray:
     """A gradient in float64 on the host; zeros of the parameter's shape where there is none."""
     return np.zeros(tuple(p.shape)) if grad is None else to_numpy(grad.detach()).astype(np.float64)
-
-
-def _weighted_absum(absolute: list[Gradients], counts: list[int] | None) -> Gradients:
-    """The sum over the window's micro-batches of |each one's gradient| under the window's
-    normalisation (its own mean loss's weighted by its share of the window's items, or 1/k), the
-    scale of the round-off of any sum of them."""
-    total = sum(counts) if counts else 0
-    weights = [c / total for c in counts] if total else [1.0 / len(absolute)] * len(absolute)
-    found: Gradients = {}
-    for w, gradient in zip(weights, absolute):
-        _add(found, {name: w * g for name, g in gradient.items()})
-    return found
