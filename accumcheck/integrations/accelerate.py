@@ -43,6 +43,7 @@ try:
     from ..torch import loopcheck
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
     from ..torch.stacks.recorder import stack_library
+    from ..torch.stacks.reference import reference_keyword
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "accelerate and PyTorch", "pip install 'accumcheck[accelerate]'") from None
 
@@ -54,7 +55,8 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     batch)`` or the model's own loss (``model(**batch).loss``) is the loss of the window as one
     batch, as ``accumcheck.torch.check`` reads a batch; ``steps`` stops the loop after that many
     optimizer steps; ``scheduler`` (the learning-rate scheduler the loop steps) is put back afterwards
-    with the rest. ``report`` is the StackReport once the ``with`` block is left; it raises
+    with the rest; ``reference`` ("auto", "joined", "micro-batches") as for
+    ``accumcheck.torch.AccumulationCheck``. ``report`` is the StackReport once the ``with`` block is left; it raises
     NothingJudgedError for a block in which nothing was judged. Launched on several processes
     (``accelerate launch``, torchrun), every process runs the check and holds the same report."""
 
@@ -63,12 +65,12 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
-                 steps: int | None = None, scheduler: Any = None) -> None:
+                 steps: int | None = None, scheduler: Any = None, reference: str = "auto") -> None:
         accelerate = stack_library("accelerate", "Hugging Face accelerate")
         if not isinstance(accelerator, accelerate.Accelerator):
             raise AccumcheckError(f"accelerate.AccumulationCheck: expected an accelerate.Accelerator, got "
                                   f"{type(accelerator).__name__}")
-        super().__init__(model, optimizer, loss_fn, step, steps, scheduler)
+        super().__init__(model, optimizer, loss_fn, step, steps, scheduler, reference)
         self.accelerator = accelerator
         self.version = accelerate.__version__
 
@@ -104,11 +106,12 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     def _loop_note(self, reference: str) -> str:
         return (f"the user's loop: Accelerator(gradient_accumulation_steps={self.accelerator.gradient_accumulation_steps}"
                 f"); the gradient is read at the optimizer's step, as it was before accelerator.clip_grad_norm_ on a "
-                f"step that syncs; {reference} on the window as one batch for the reference")
+                f"step that syncs; {reference} for the window's reference")
 
     def _stack(self) -> tuple[str, dict[str, str], str]:
         return "accelerate", {"accelerate": self.version, "torch": torch.__version__}, \
-            f"accumcheck.integrations.accelerate.AccumulationCheck(accelerator, model, optimizer, steps={self.steps})"
+            f"accumcheck.integrations.accelerate.AccumulationCheck(accelerator, model, optimizer, steps={self.steps}" \
+            f"{reference_keyword(self.window_reference)})"
 
 
 def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None,

@@ -50,6 +50,7 @@ try:
     from ..torch import loopcheck
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
     from ..torch.stacks.recorder import Float64Run, float64_copy, refresh_copy, stack_library
+    from ..torch.stacks.reference import reference_keyword
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "DeepSpeed and PyTorch", "pip install torch deepspeed") from None
 
@@ -66,7 +67,8 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     ``step(model, batch)`` or the model's own loss (``model(**batch).loss``, or the tensor the module
     returns) is the loss of the window as one batch, computed on a float64 copy of
     ``engine.module``: the loss as the loop computes it before any division by N. ``steps`` stops
-    the loop after that many optimizer steps. ``report`` is the StackReport once the ``with`` block
+    the loop after that many optimizer steps; ``reference`` ("auto", "joined", "micro-batches") as for
+    ``accumcheck.torch.AccumulationCheck``. ``report`` is the StackReport once the ``with`` block
     is left; every rank must read it (it is agreed on with a collective) and every rank holds the
     same."""
 
@@ -75,11 +77,12 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     restored = ("module's weights, the optimizer's master weights and state, the loss scaler, the engine's counters "
                 "and the random states")
     def __init__(self, engine: Any, loss_fn: Callable[..., Any] | None = None,
-                 step: Callable[[Any, Any], Any] | None = None, steps: int | None = None) -> None:
+                 step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
+                 reference: str = "auto") -> None:
         deepspeed = stack_library("deepspeed", "DeepSpeed")
         _refuse_unjudgeable(engine, deepspeed, self.who)
         scheduler = engine.lr_scheduler if callable(getattr(engine.lr_scheduler, "state_dict", None)) else None
-        super().__init__(engine.module, engine.optimizer, loss_fn, step, steps, scheduler)
+        super().__init__(engine.module, engine.optimizer, loss_fn, step, steps, scheduler, reference)
         self.engine = engine
         self.version = deepspeed.__version__
         self._full_grad = deepspeed.utils.safe_get_full_grad
@@ -170,12 +173,12 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
         return (f"the user's loop: a DeepSpeed engine (ZeRO stage {engine.zero_optimization_stage()}, "
                 f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}); the gradient is read with "
                 "deepspeed.utils.safe_get_full_grad at each accumulation boundary, before engine.step()"
-                f"{f' clips it to {clip:g}' if clip else ''}; {reference} on the window as one batch for the "
-                "reference")
+                f"{f' clips it to {clip:g}' if clip else ''}; {reference} for the window's reference")
 
     def _stack(self) -> tuple[str, dict[str, str], str]:
         return "deepspeed", {"deepspeed": self.version, "torch": torch.__version__}, \
-            f"accumcheck.integrations.deepspeed.AccumulationCheck(engine, steps={self.steps})"
+            f"accumcheck.integrations.deepspeed.AccumulationCheck(engine, steps={self.steps}" \
+            f"{reference_keyword(self.window_reference)})"
 
 
 def engine_precision(engine: Any) -> StepPrecision:

@@ -41,6 +41,7 @@ try:
     from ..run.results import StepPrecision
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
     from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, refresh_copy
+    from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "lightning and PyTorch", "pip install 'accumcheck[lightning]'") from None
@@ -49,16 +50,19 @@ except ModuleNotFoundError as exc:
 class AccumulationCheck(pl.Callback):
     """The check of a Lightning fit as a callback. ``steps`` stops the fit after that many
     optimizer steps; ``loss(module, batch)`` replaces ``training_step`` as the loss of the window
-    as one batch. ``report`` is the StackReport once the fit has ended (or raised); it raises
-    NothingJudgedError for a fit in which nothing was judged."""
+    as one batch; ``reference`` ("auto", "joined", "micro-batches") as for
+    ``accumcheck.torch.AccumulationCheck``. ``report`` is the StackReport once the fit has ended (or
+    raised); it raises NothingJudgedError for a fit in which nothing was judged."""
 
-    def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None) -> None:
+    def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None,
+                 reference: str = "auto") -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise AccumcheckError(f"lightning.AccumulationCheck: steps must be a positive integer, got {steps!r}")
         if loss is not None and not callable(loss):
             raise AccumcheckError(f"lightning.AccumulationCheck: loss must be callable as loss(module, batch), "
                                   f"got {type(loss).__name__}")
         self.steps, self.loss = steps, loss
+        self.window_reference = reference_choice(reference, "lightning.AccumulationCheck")
         self.recorder: StackRecorder | None = None
         self._run: Float64Run | None = None
         self._report: StackReport | None = None
@@ -84,7 +88,8 @@ class AccumulationCheck(pl.Callback):
         self._copy = None
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
                                       reference=self._reference if parallel else None,
-                                      precision=StepPrecision() if parallel else None)
+                                      precision=StepPrecision() if parallel else None,
+                                      window_reference=self.window_reference)
         self._report, self._ended = None, None
         self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel)
         self._run.__enter__()
@@ -166,7 +171,7 @@ class AccumulationCheck(pl.Callback):
             f"{type(self._module).__name__}.training_step (self.log silenced, accumulate_grad_batches 1)"
         notes = [f"Lightning's own loop: accumulate_grad_batches = {n}, gradient_clip_val = "
                  f"{clip} (the gradient is read in on_before_optimizer_step, before clipping); "
-                 f"{reference} on the window as one batch for the reference",
+                 f"{reference} for the window's reference",
                  f"dropout off ({dropouts} rates set to 0); the module, its optimizers and the random states "
                  "were put back after the fit"]
         coverage = recorder.coverage("lightning.AccumulationCheck", "the fit's training batches",
@@ -180,8 +185,9 @@ class AccumulationCheck(pl.Callback):
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
         return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen_everywhere,
                             {"lightning": pl.__version__, "torch": torch.__version__}, notes,
-                            reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}) "
-                                      "among the Trainer's callbacks", coverage=coverage, world_size=world.size,
+                            reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}"
+                                      f"{reference_keyword(self.window_reference)}) among the Trainer's callbacks",
+                            coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction)
 
 

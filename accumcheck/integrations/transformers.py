@@ -40,6 +40,7 @@ try:
     from ..torch.stacks.batches import join_paired
     from ..torch.stacks.cases import CaseLM, case_examples
     from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, stack_library
+    from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "transformers, accelerate and PyTorch", "pip install 'accumcheck[transformers]'") from None
@@ -52,7 +53,8 @@ GENERATING = frozenset({"GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTr
                         "XPOTrainer"})
 
 
-def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[Any], Any]] | None = None) -> StackReport:
+def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[Any], Any]] | None = None,
+          reference: str = "auto") -> StackReport:
     """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
     for) in float64 and judge each step's gradient against its window's as one batch. Returns a
     StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on.
@@ -63,7 +65,13 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     mixture-of-experts model's router load-balancing loss (``aux_loss`` times the config's
     ``router_aux_loss_coef``) is found without being named. Where a step is not its window's
     gradient, it is fitted as the rest of the window's loss plus each term summed over the
-    micro-batches, so that a term added once per micro-batch is named."""
+    micro-batches, so that a term added once per micro-batch is named.
+
+    ``reference``: "auto" computes each window's reference micro-batch by micro-batch (the model's
+    own loss on each, weighted by its share of the window's labelled or predicted tokens; one
+    micro-batch's activations) where the loss is shown to be such a mean and has no terms, else on
+    the window as one batch; "joined" always on the window as one batch; "micro-batches" raises
+    where a window cannot be split."""
     transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if not isinstance(trainer, transformers.Trainer):
         raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
@@ -79,10 +87,12 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
         raise AccumcheckError(f"transformers.check: {type(trainer).__name__} generates its micro-batches inside the "
                               f"step ({generating[0]}), so a window cannot be replayed as one batch; check the loss "
                               "on recorded batches with accumcheck.torch.check, or a Trainer that trains on its data")
+    window_reference = reference_choice(reference, "transformers.check")
     model = trainer.model
     join = join_paired if lineage & PAIRED else None
     World.current().meet("transformers.check")  # a rank without the check: named, not waited for
-    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join)
+    recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join,
+                             window_reference=window_reference)
     # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
     recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)
     callback = _callback(transformers, recorder, steps)
@@ -133,7 +143,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
         expected = len(trainer.get_train_dataloader()) * math.ceil(args.num_train_epochs) * world.size
     notes = [f"the Trainer's own loop: gradient_accumulation_steps = {args.gradient_accumulation_steps}, "
              f"max_grad_norm = {args.max_grad_norm} (the gradient is read before clipping), "
-             f"{type(trainer).__name__}.compute_loss on the window as one batch for the reference; the windows' "
+             f"{type(trainer).__name__}.compute_loss for the window's reference; the windows' "
              "micro-batches as the Trainer's sampler fed them",
              f"dropout off ({run.dropouts} rates set to 0); progress, logs and reporting off for the run; the model, "
              "optimizer, scheduler, Trainer state and random states were put back after it"]
@@ -144,7 +154,8 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                                  "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen_everywhere, {"transformers": transformers.__version__, **_versions()}, notes,
-                        reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps})",
+                        reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps}"
+                                  f"{reference_keyword(window_reference)})",
                         micro_batches_expected=expected, coverage=coverage, world_size=world.size)
 
 

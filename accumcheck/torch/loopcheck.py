@@ -40,6 +40,7 @@ from ..judge.stack import stack_report
 from ..report import StackReport
 from ..run.results import StepPrecision
 from .stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .stacks.reference import reference_choice, reference_keyword
 from .stacks.world import World
 from .userbatch import micro_loss
 
@@ -53,7 +54,10 @@ class AccumulationCheck:
     ``step(model, batch)`` or the model's own loss (``model(**batch).loss``) is the loss of the
     window as one batch, as ``accumcheck.torch.check`` reads a batch: the loss as the loop computes
     it before any division by N. ``steps`` stops the loop after that many optimizer steps;
-    ``scheduler`` is put back afterwards with the rest. ``report`` is the StackReport once the
+    ``scheduler`` is put back afterwards with the rest. ``reference``: "auto" computes each window's
+    reference micro-batch by micro-batch (one micro-batch's activations) where the loss is shown to
+    be a mean over the window's items, else on the window as one batch; "joined" always on the
+    window as one batch; "micro-batches" raises where a window cannot be split. ``report`` is the StackReport once the
     ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged."""
 
     who = "accumcheck.torch.AccumulationCheck"
@@ -65,7 +69,7 @@ class AccumulationCheck:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
-                 scheduler: Any = None) -> None:
+                 scheduler: Any = None, reference: str = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise AccumcheckError(f"{self.who}: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step is not None:
@@ -82,6 +86,7 @@ class AccumulationCheck:
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.optimizer = innermost_optimizer(optimizer)
         self.loss_fn, self.step, self.steps, self.scheduler = loss_fn, step, steps, scheduler
+        self.window_reference = reference_choice(reference, self.who)
         self.sharded = _fully_sharded(self.model)
         self.parallel = self.sharded or self.wrapper is not self.model
         # DDP's buckets and FSDP2's shards are set up for the model's dtypes: such a model runs in them,
@@ -116,7 +121,8 @@ class AccumulationCheck:
             precision = StepPrecision(accumulation=dtype, reduction=_ddp_reduction(self.wrapper) or dtype, computed=dtype)
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None,
                                       applied_gradient=self._applied, precision=precision,
-                                      reference=self._reference if self.parallel else None)
+                                      reference=self._reference if self.parallel else None,
+                                      window_reference=self.window_reference)
         self.run.__enter__()
         self._inside = True
         try:
@@ -254,14 +260,13 @@ class AccumulationCheck:
         kind = ("FSDP2 (fully_shard)" if self.sharded else "DistributedDataParallel"
                 if self.wrapper is not self.model else "one process")
         return (f"your loop ({kind}): the gradient is read at the optimizer's step, as it was before "
-                f"torch.nn.utils.clip_grad_norm_ / clip_grad_value_; {reference} on the window as one batch for the "
-                "reference")
+                f"torch.nn.utils.clip_grad_norm_ / clip_grad_value_; {reference} for the window's reference")
 
     def _stack(self) -> tuple[str, dict[str, str], str]:
         """The stack's name, its versions and how to reproduce the check, for the report."""
         return "fsdp2" if self.sharded else "loop", {"torch": torch.__version__}, \
             "accumcheck.torch.AccumulationCheck(model, optimizer, " \
-            f"steps={self.steps})"
+            f"steps={self.steps}{reference_keyword(self.window_reference)})"
 
     def _build_report(self) -> StackReport:
         recorder = self.recorder
