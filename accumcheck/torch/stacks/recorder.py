@@ -345,12 +345,11 @@ class StackRecorder:
                 plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
                                       self.join_window, hypotheses.by_design)
                 if plan.split:  # each micro-batch's own gradient, kept for the hypotheses below
-                    micro = self._micro_batch_sums(module, ref_named, batches)
-                    if micro[1]:  # terms the probe's rows did not have: the window as one batch
+                    window, found, each = self._micro_batch_sums(module, ref_named, batches, plan.weights)
+                    micro, term_windows = (weighted_sum(each, (1.0,) * len(each)), found, each), {}
+                    if found:  # terms the probe's rows did not have: the window as one batch
                         plan = ReferencePlan(False, "the loss has additive terms of its own")
-                if plan.split:
-                    window, term_windows = weighted_sum(micro[2], plan.weights), {}
-                else:
+                if not plan.split:
                     window, term_windows = self._gradients(module, ref_named, self.join_window(batches))
                 if term_windows:
                     hypotheses.main = {name: g - sum(t[name] for t in term_windows.values())
@@ -390,8 +389,8 @@ class StackRecorder:
         self._window_step = self.optimizer_steps
 
     def _gradients(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
-                   batch: Any) -> tuple[Gradients, dict[str, Gradients]]:
-        """The gradient of the stack's loss of ``batch``, and of each of its additive terms."""
+                   batch: Any, scale: float = 1.0) -> tuple[Gradients, dict[str, Gradients]]:
+        """The gradient of the stack's loss of ``batch`` (times ``scale``), and of each of its additive terms."""
         found = self.window_loss(module, batch)
         loss, terms = found if isinstance(found, tuple) else (found, {})
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
@@ -399,7 +398,7 @@ class StackRecorder:
                                   f"(got {type(loss).__name__}); the loss function must return the loss")
         terms = {name: t for name, t in terms.items() if isinstance(t, torch.Tensor) and t.requires_grad}
         gradients = []
-        for part in (loss, *terms.values()):
+        for part in (loss * scale if scale != 1.0 else loss, *terms.values()):
             for _, p in named:
                 p.grad = None
             part.backward(retain_graph=bool(terms))
@@ -407,16 +406,19 @@ class StackRecorder:
         return gradients[0], dict(zip(terms, gradients[1:]))
 
     def _micro_batch_sums(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
-                          batches: list[Any]) -> tuple[Gradients, dict[str, Gradients], list[Gradients]]:
+                          batches: list[Any], weights: tuple[float, ...] | None = None
+                          ) -> tuple[Gradients, dict[str, Gradients], list[Gradients]]:
         """Over the window's micro-batches, each as a batch of its own: its loss's gradient summed,
-        each term's, and each one's gradient."""
+        each term's, and each one's gradient. With ``weights``, each one's loss times its weight, as
+        the window's loss scales its items (float32 parts of a model round alike), divided back."""
         total: Gradients = {}
         terms: dict[str, Gradients] = {}
         each: list[Gradients] = []
-        for batch in batches:
-            gradient, term_gradients = self._gradients(module, named, self.join_window([batch]))
+        for i, batch in enumerate(batches):
+            w = 1.0 if weights is None else weights[i]
+            gradient, term_gradients = self._gradients(module, named, self.join_window([batch]), w)
             add_gradients(total, gradient)
-            each.append(gradient)
+            each.append(gradient if w == 1.0 else {name: g / w for name, g in gradient.items()})
             for name, g in term_gradients.items():
                 add_gradients(terms.setdefault(name, {}), g)
         return total, terms, each

@@ -35,6 +35,8 @@ PROBE_TOLERANCE = 1e-6
 # What the other readings of the loss (summed, a mean over rows, the other count) would give must
 # stand this far from the mean over items, else the probe cannot tell them apart: 100 x the tolerance.
 PROBE_MARGIN = 1e-4
+# The pairs of rows probed before a probe that cannot tell the readings apart gives up (joined).
+PROBE_PAIRS = 3
 
 Gradients = dict[str, np.ndarray]
 
@@ -104,7 +106,27 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
     row_counts = {name: [_row_counts(b, labelled, name) for b in batches] for name in counts}
     if any(r is None or len(r) != n for per in row_counts.values() for r, n in zip(per, rows)):
         return "the rows' item counts are unknown"
-    a, b = _probe_rows(row_counts[next(iter(counts))])
+    why = "no two rows to probe"
+    for a, b in _probe_pairs(row_counts[next(iter(counts))]):
+        found = _probe(a, b, module, batches, window_loss, join_window, counts, row_counts, rows)
+        if not isinstance(found, tuple):
+            return found  # the loss is no mean over the items, or cannot be probed
+        name, undecided = found
+        if not undecided:
+            total = sum(counts[name])
+            return ReferencePlan(True, f"each micro-batch's own loss weighted by its share of the window's {name}, "
+                                       "summed in float64", tuple(c / total for c in counts[name]))
+        why = undecided
+    return why
+
+
+def _probe(a: tuple[int, int], b: tuple[int, int], module: Any, batches: list[Any],
+           window_loss: Callable[[Any, Any], Any], join_window: Callable[[list[Any]], Any],
+           counts: dict[str, list[int]], row_counts: dict[str, list[list[int]]],
+           rows: list[int]) -> str | tuple[str, str]:
+    """Rows ``a`` and ``b`` (micro-batch, row) alone and together: a sentence where the loss is
+    not a mean over the items; else (the count it is a mean over, "") where nothing else the loss
+    might be gives their loss together, or (that count, why not decided) where something does."""
     try:
         with torch.enable_grad():
             (la, ta), (lb, tb) = (_value(window_loss, module, join_window([_row(batches[m], i)])) for m, i in (a, b))
@@ -129,11 +151,7 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
     rivals.update({f"a mean over {name}": p for name, p in predicted.items()
                    if not _same_weights(chosen, counts[name])})
     close = [what for what, p in rivals.items() if abs(p - predicted[found]) <= PROBE_MARGIN * scale]
-    if close:
-        return f"the two rows probed cannot tell a mean over {found} from {close[0]}"
-    total = sum(chosen)
-    return ReferencePlan(True, f"each micro-batch's own loss weighted by its share of the window's {total} {found}, "
-                               "summed in float64", tuple(c / total for c in chosen))
+    return found, f"the rows probed cannot tell a mean over {found} from {close[0]}" if close else ""
 
 
 def weighted_sum(each: list[Gradients], weights: tuple[float, ...]) -> Gradients:
@@ -220,12 +238,16 @@ def _row(batch: Any, i: int) -> Any:
     return map_leaves(batch, lambda t: t[i:i + 1] if isinstance(t, torch.Tensor) and t.dim() else t)
 
 
-def _probe_rows(counts: list[list[int]]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Two rows (micro-batch, row) of the window with items: the fewest and the most, or where all
-    rows count alike the first rows of the first two micro-batches."""
-    rows = [(c, m, i) for m, per in enumerate(counts) for i, c in enumerate(per) if c > 0]
-    low, high = min(rows), max(rows)
-    if low[0] == high[0]:
-        first = [next(r for r in rows if r[1] == m) for m in sorted({r[1] for r in rows})[:2]]
-        low, high = first[0], first[-1]
-    return (low[1], low[2]), (high[1], high[2])
+def _probe_pairs(counts: list[list[int]]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Up to PROBE_PAIRS pairs of rows (micro-batch, row) with items, each as far apart in items as
+    the window has: the fewest with the most, the next fewest with the next most; where all rows
+    count alike, the first rows of consecutive micro-batches."""
+    rows = sorted((c, m, i) for m, per in enumerate(counts) for i, c in enumerate(per) if c > 0)
+    if not rows:
+        return []
+    if rows[0][0] == rows[-1][0]:
+        firsts = [next(r for r in rows if r[1] == m) for m in sorted({r[1] for r in rows})]
+        ends = list(zip(firsts, firsts[1:]))
+    else:
+        ends = [(rows[k], rows[-1 - k]) for k in range(len(rows) // 2) if rows[k][0] != rows[-1 - k][0]]
+    return [((lo[1], lo[2]), (hi[1], hi[2])) for lo, hi in ends[:PROBE_PAIRS]]
