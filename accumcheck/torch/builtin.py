@@ -128,13 +128,6 @@ def device_name(dev: Any) -> str:
     return f"{dev} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "cpu"
 
 
-def case_native(case: Case, weights: dict[str, np.ndarray], dtype: Any, device: Any, steps: int,
-                progress: Progress | None, phase: str) -> tuple[dict[str, Any], float]:
-    """The case's N micro-steps accumulated natively (``.grad``) in ``dtype``, and the mean loss:
-    a reference for the data-parallel runner."""
-    return _native(CaseSubject(case, weights, dtype, device, steps), progress, phase)
-
-
 def _native(subject: CaseSubject, progress: Progress | None, phase: str) -> tuple[dict[str, Any], float]:
     result = accumulate(subject.params, subject.step_loss(subject.model), subject.steps, None, progress, phase,
                         hold_refs=True)

@@ -10,7 +10,9 @@ interleaving of DistributedSampler). One pass per rank feeds every mode:
   manual     each micro-step's gradient all-reduced (float32, mean over ranks) and added into a
              buffer of the accumulation dtype, as hand-written accumulation under DDP does
   E, S       float64 sums of the rank's micro-gradients, all-reduced in float64 at the end
-  reference  one process accumulating the W*N global micro-batches, divided by W (rank 0)
+  reference  one process accumulating the W*N global micro-batches, divided by W: its micro-gradients
+             computed in a plain model on the ranks (each its own micro-batches), added in the
+             global order on rank 0, the same additions as one process's (``dpreference``)
 
 A communication hook wrapping DDP's own records what each rank hands to the all-reduce: its local
 no_sync total, judged against that rank's own E and S, which names the rank where an
@@ -49,15 +51,14 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ..case.definition import Case
 from ..errors import AccumcheckError
 from ..report import DataParallelSetup
 from ..run.backend import Progress
 from ..run.config import RunConfig
 from ..run.launch import launched_world_size, raise_pending
 from ..run.results import ParamAccumulation, RankAccumulation, RunResult
-from .builtin import case_native
 from .casemodel import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
+from .dpreference import shared_reference
 from .passes import accumulate
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -314,7 +315,7 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         manual = {name: to_numpy(buffers[name][0]) for name in model.canonical}
         views: list[Any] = [None] * world_size
         dist.all_gather_object(views, mine)
-        shared = [_single_process(case, weights, steps, world_size, dev, config.oracle, progress) if rank == 0 else None]
+        shared = [shared_reference(case, weights, steps, world_size, rank, dev, config.oracle, progress)]
         dist.broadcast_object_list(shared, src=0)
         single, oracle, single_loss = shared[0]
         # No rank leaves (and tears its connections down) while another still reads from it.
@@ -365,17 +366,3 @@ def _record_comm_hook(ddp: Any, params: dict[str, Any], reduce_dtype: str) -> di
 
     ddp.register_comm_hook(None, hook)
     return handed
-
-
-def _single_process(case: Case, weights: dict[str, np.ndarray], steps: int, world_size: int, dev: Any,
-                    oracle: bool, progress: Progress | None) -> tuple[dict, dict | None, float]:
-    """The same global micro-batches accumulated natively in one process, divided by W (and the
-    float64 model's, with ``oracle``); and the mean loss."""
-    total = world_size * steps
-    native, loss = case_native(case, weights, torch.float32, dev, total, progress, "single-process reference")
-    single = {name: to_numpy(g / world_size) for name, g in native.items()}
-    exact_oracle = None
-    if oracle:
-        native64, _ = case_native(case, weights, torch.float64, dev, total, progress, "float64 oracle")
-        exact_oracle = {name: to_numpy(g / world_size) for name, g in native64.items()}
-    return single, exact_oracle, loss

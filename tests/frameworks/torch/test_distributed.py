@@ -231,3 +231,38 @@ def test_oracle_and_a_float64_manual_buffer_work_on_two_ranks():
         # The float64 model over the same 32 micro-batches: both modes sit at float32 forward error.
         assert 0 < t.oracle_err_native < 1e-5 and 0 < t.oracle_err_manual < 1e-5
     assert "--oracle --world-size 2 --accum-dtype float64" in report.reproduce_command()
+
+
+@pytest.mark.parametrize("case", ["conditional-branch", "padded-tokens"])
+def test_the_reference_computed_on_every_rank_is_one_process_accumulation_bit_for_bit(case):
+    """Each rank computes the micro-gradients of its own global micro-batches and rank 0 adds them
+    in the global order: the very result of one process accumulating all W*N natively (a branch
+    some micro-steps leave without a gradient; a loss divided by the window's token count)."""
+    import numpy as np
+    import torch
+
+    from accumcheck.case.reading import builtin_case
+    from accumcheck.run.validation import configure
+    from accumcheck.torch.builtin import CaseSubject, _native
+    from accumcheck.torch.casemodel import deterministic
+    from accumcheck.torch.distributed import run_data_parallel
+
+    steps = 4
+    run = run_data_parallel(configure({"case": case, "framework": "torch", "world_size": 2, "accum_steps": steps,
+                                       "oracle": True}), {})
+    spec = builtin_case(case)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of the two ranks on this machine's cores runs it
+    try:
+        with deterministic(torch.device("cpu")):
+            references = {}
+            for dtype in (torch.float32, torch.float64):
+                native, loss = _native(CaseSubject(spec, spec.weights(), dtype, torch.device("cpu"), 2 * steps),
+                                       None, "one process")
+                references[dtype] = ({name: (g / 2).numpy() for name, g in native.items()}, loss)
+    finally:
+        torch.set_num_threads(saved)
+    for p in run.params:
+        assert np.array_equal(p.reference, references[torch.float32][0][p.name]), p.name
+        assert np.array_equal(p.oracle, references[torch.float64][0][p.name]), p.name
+    assert run.losses["single_process_mean_loss"] == references[torch.float32][1]
