@@ -21,7 +21,7 @@ def stack_header_lines(report: StackReport) -> list[str]:
                       "dtypes")
     return [f"{report.stack}: {report.model}, N = {report.accum_steps}, checked in {report.precision} {tolerance}; "
             f"{versions}",
-            *report.notes, reference_line(report),
+            *report.notes, *([reference_line(report)] if any(s.reference_note for s in report.steps) else []),
             report.counts_text() + (f"; never stepped on: {len(report.unstepped)}" if report.unstepped
                                     else "; every micro-batch seen reached an optimizer step")]
 
@@ -29,7 +29,8 @@ def stack_header_lines(report: StackReport) -> list[str]:
 def reference_line(report: StackReport) -> str:
     """How each step's reference (its window's gradient) was computed: "reference: micro-batch by
     micro-batch, the window's normalisation (...) at steps 0-3; window as one batch (one
-    micro-batch) at step 4"."""
+    micro-batch) at step 4". Said where a step says why (a stack that only ever joins its windows,
+    Gluon's and Keras's, says so in its notes)."""
     groups: dict[tuple[str, str], list[int]] = {}
     for s in report.steps:
         groups.setdefault((s.reference, s.reference_note), []).append(s.step)
