@@ -300,9 +300,14 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
             return ddp.no_sync() if step < steps - 1 else contextlib.nullcontext()
 
         def mean_over_ranks(step: Any) -> Any:
+            # Started here, waited for after the next micro-step (passes.StepRecorder).
             reduced = step.clone()
-            dist.all_reduce(reduced)
-            return reduced.div_(world_size)
+            work = dist.all_reduce(reduced, async_op=True)
+
+            def mean() -> Any:
+                work.wait()
+                return reduced.div_(world_size)
+            return mean
 
         sums = accumulate(model.canonical, step_loss, steps, fault, progress, f"rank {rank}: DDP no_sync + all-reduce",
                           accum, step_context=no_sync_but_last, reduce_step=mean_over_ranks)

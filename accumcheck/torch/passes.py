@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import USER_EXCEPTIONS, AccumcheckError
-from ..judge.hostsums import add_held, add_step
+from ..judge.hostsums import add_held, add_step, add_wide
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector
 from .accumulator import GradAccumulator
@@ -50,7 +50,9 @@ class StepRecorder:
                  hold_refs: bool = False) -> None:
         self.params = params
         # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
+        # The all-reduce of a step runs while the next micro-step does: manual adds it then.
         self.reduce_step = reduce_step
+        self.reducing: Callable[[], Any] | None = None
         first = next(iter(params.values()))
         total = sum(p.numel() for p in params.values())
         step_dtype = first.dtype
@@ -88,6 +90,8 @@ class StepRecorder:
                                    + total * np.arange(HELD_STEPS, dtype=np.int64)))
         elif not host:
             self.step = torch.empty(total, dtype=step_dtype, device=first.device)
+        # E and S of a float32 step on the CPU: one compiled pass (the same sums as torch's adds).
+        self.wide = first.device.type == "cpu" and step_dtype == torch.float32
 
     def hook(self, name: str) -> Callable[[Any], None]:
         """The gradient hook that records ``name``'s micro-gradient: a C-level callable, which
@@ -129,15 +133,26 @@ class StepRecorder:
         torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
         grads.clear()
         if self.reduce_step is not None:
-            self.manual.add_(self.reduce_step(self.step))
-            self.exact.add_(self.step)
-            self.absum.add_(self.step.abs())
+            reducing = self.reduce_step(self.step)
+            self._add_reduced()
+            self.reducing = reducing
+            if self.wide:
+                add_wide(self.step.numpy(), self.exact.numpy(), self.absum.numpy())
+            else:
+                self.exact.add_(self.step)
+                self.absum.add_(self.step.abs())
         elif self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
             add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
         else:
             self.manual.add_(self.step)
             self.exact.add_(self.step)
             self.absum.add_(self.step.abs_())
+
+    def _add_reduced(self) -> None:
+        """The previous step's all-reduced gradient into manual, once the all-reduce is done."""
+        if self.reducing is not None:
+            self.manual.add_(self.reducing())
+            self.reducing = None
 
     def _add_held(self) -> None:
         """The steps held, in their order, into manual, E and S: one compiled call."""
@@ -166,6 +181,7 @@ class StepRecorder:
         """Per-parameter (manual, exact, absum) views of the flat buffers, every step added."""
         if self.count:
             self._add_held()
+        self._add_reduced()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
 
@@ -193,8 +209,9 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     what fills the native slot: "native" (``.grad`` accumulating), "accumulator" or
     "compensated" (GradAccumulator taking each micro-step's ``.grad``).
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
-    (DistributedDataParallel's ``no_sync()``); ``reduce_step`` maps a flat micro-gradient to what
-    the manual buffer adds (its all-reduced mean). ``hold_steps`` False: nothing kept beyond one
+    (DistributedDataParallel's ``no_sync()``); ``reduce_step`` starts the reduction of a flat
+    micro-gradient (its all-reduced mean) and returns a function that waits for it and returns
+    what the manual buffer adds: the buffer adds it after the next micro-step, in step order. ``hold_steps`` False: nothing kept beyond one
     micro-step (a memory budget's groups); ``hold_refs``: the micro-gradients are held, not copied
     (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
     error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
