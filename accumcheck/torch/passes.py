@@ -211,9 +211,9 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
     (DistributedDataParallel's ``no_sync()``); ``reduce_step`` starts the reduction of a flat
     micro-gradient (its all-reduced mean) and returns a function that waits for it and returns
-    what the manual buffer adds: the buffer adds it after the next micro-step, in step order. ``hold_steps`` False: nothing kept beyond one
-    micro-step (a memory budget's groups); ``hold_refs``: the micro-gradients are held, not copied
-    (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
+    what the manual buffer adds: the buffer adds it after the next micro-step, in step order.
+    ``hold_steps`` False: nothing kept beyond one micro-step (a memory budget's groups);
+    ``hold_refs``: the micro-gradients are held, not copied (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
     error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
     Returns {"buffers": name -> (manual, exact, absum), "native": name -> accumulated .grad,
     "loss": mean loss, "steps_with_grad": name -> micro-steps with a gradient, for the parameters
