@@ -25,7 +25,9 @@ def case_model(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any,
                accum_steps: int) -> Model:
     """The case as the engine runs it: a block holding ``weights`` in ``dtype``, every parameter judged."""
     block = prepared(case, weights, dtype, ctx, hybridize)
-    return Model(block, dict(block.canonical), case_step(case, block, ctx, dtype, accum_steps), ctx, accum_steps)
+    # Both passes (and a second pass) run the same micro-batches: each is made once.
+    return Model(block, dict(block.canonical), case_step(case, block, ctx, dtype, accum_steps, keep=True), ctx,
+                 accum_steps)
 
 
 def run(config: RunConfig, versions: dict[str, str], progress: Progress | None = None,

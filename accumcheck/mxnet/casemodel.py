@@ -149,14 +149,22 @@ def prepared(case: Case, weights: dict[str, np.ndarray], dtype: str, ctx: Any, h
     return block
 
 
-def case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 0) -> MicroStep:
+def case_step(case: Case, block: Any, ctx: Any, dtype: str, accum_steps: int = 0, keep: bool = False) -> MicroStep:
     """The case's micro-step ``index`` through ``block``: (loss, output). Its batches are
-    ``((inputs[, gates]), labels)`` and its loss ``case_loss``; what they raise is raised as it is."""
+    ``((inputs[, gates]), labels)`` and its loss ``case_loss``; what they raise is raised as it is.
+    ``keep``: each batch is made once and kept, for passes that run the same micro-steps again
+    (a case's batches are a few hundred numbers each)."""
     total = case.token_count(accum_steps) if case.loss_reduction == "token_count" else None
+    kept: dict[int, tuple[tuple[Any, ...], Any]] = {}
 
     def batch(index: int) -> tuple[tuple[Any, ...], Any]:
+        if index in kept:
+            return kept[index]
         micro = case.batch(index)
-        return case_batch(micro.inputs, micro.labels, case.gates(micro.index), ctx, dtype)
+        made = case_batch(micro.inputs, micro.labels, case.gates(micro.index), ctx, dtype)
+        if keep:
+            kept[index] = made
+        return made
 
     return MicroStep(block, batch, ctx, case_loss_fn(case, total), None, user=False)
 
