@@ -136,12 +136,12 @@ def _backend_for(device: str) -> str:
 
 def _start_method() -> str:
     """How ranks are started: from a fork server that has imported PyTorch and this module once,
-    so that a rank starts in milliseconds instead of importing PyTorch again (the server never
-    runs a PyTorch operation, so it has no threads a fork could break); where a platform has no
-    fork server, spawned afresh."""
+    and loaded the compiled kernel a rank calls (``rankserver``), so that a rank starts in
+    milliseconds instead of importing PyTorch again (the server never runs a PyTorch operation,
+    so it has no threads a fork could break); where a platform has no fork server, spawned afresh."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    mp.get_context("forkserver").set_forkserver_preload([__name__.rpartition(".")[0] + ".rankserver"])
     return "forkserver"
 
 
