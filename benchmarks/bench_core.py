@@ -57,7 +57,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from machine_info import cpu_family, write_result  # benchmarks/ is the script's folder
+from machine_info import cpu_family, load, write_result  # benchmarks/ is the script's folder
 
 CASE = "transformer-small"
 RESULT = Path(__file__).resolve().parent / "results" / "bench_core.json"
@@ -443,6 +443,9 @@ def machine_sentence(result: dict) -> str:
         f"numpy {m['numpy']}", f"numba {m['numba']}"]
     gpu = f" with an {m['gpu']}" if m.get("gpu") else ""
     cores = m.get("usable_cores") or m["cores"]
+    loads = result.get("load") or {}
+    if loads.get("before") is not None:  # other processes share the machine: what they were doing
+        versions.append(f"load average {loads['before']:.2f} before the run, {loads['after']:.2f} after")
     return (f"From one run of `{command(result)}` on this {cores}-core {cpu_family(m['cpu'])} machine{gpu} "
             f"({', '.join(versions)}):")
 
@@ -539,11 +542,13 @@ def figures(result: dict) -> dict[str, str]:
     """The text docs/performance.md quotes from a run (the JSON this script writes), by name:
     ``machine`` (the sentence above the table), ``table`` (a) to (e), ``summary`` (one
     sentence on (a) and (c)), and, when (e) ran,
-    ``e.global`` (the reference's global micro-batches) and ``e.start`` (how the ranks start)."""
+    ``e.global`` (the reference's global micro-batches), ``e.steps`` (the micro-steps per rank) and
+    ``e.start`` (how the ranks start)."""
     out = {"machine": machine_sentence(result), "table": table(result), "summary": summary(result)}
     dp = result.get("data_parallel")
     if dp is not None:
         out["e.global"] = str(dp["steps"] * dp["world"])
+        out["e.steps"] = str(dp["steps"])
         out["e.start"] = ("Since the ranks of both are forked from a server that has imported PyTorch, neither pays "
                           "for starting Python and importing PyTorch in each rank (spawning the ranks afresh makes "
                           "both sides slower by that cost)" if dp.get("start_method", "forkserver") == "forkserver" else
@@ -565,6 +570,7 @@ def main() -> int:
     on_gpu = args.device != "cpu"
     q = args.quick
     started = time.perf_counter()
+    load_before = load()
 
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable, torch threads "
@@ -633,7 +639,11 @@ def main() -> int:
     elapsed = time.perf_counter() - started
     print(f"total {elapsed:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
 
-    result = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed, "overhead": over,
+    load_after = load()
+    if load_before is not None:
+        print(f"load average {load_before:.2f} before the run, {load_after:.2f} after")
+    result = {"machine": info, "device": args.device, "quick": q, "seconds": elapsed,
+              "load": {"before": load_before, "after": load_after}, "overhead": over,
               "memory": mem, "comparator": comp, "mxnet": mxb, "data_parallel": dp, "targets": dict(TARGETS)}
     return write_result(args.json, result)
 
