@@ -88,15 +88,21 @@ def join(batches: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
     return join_batches(batches, collate, (torch.Tensor,), torch.cat, "tensor")
 
 
-def item_count(batch: Any, loss_fn_given: bool) -> int | None:
-    """Labelled items of a micro-batch (elements of the integer target, or of a Hugging Face
-    ``labels``, that are not -100), or None where the batch does not say."""
+def labels_of(batch: Any, loss_fn_given: bool) -> torch.Tensor | None:
+    """A micro-batch's integer labels (the target of an (inputs, target) batch, or a Hugging Face
+    ``labels``), or None where the batch has none."""
     if isinstance(batch, Mapping):
         labels = batch.get("labels")
     elif loss_fn_given and isinstance(batch, (tuple, list)) and len(batch) == 2:
         labels = batch[1]
     else:
         labels = None
-    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() > 0:
-        return int((labels != IGNORE_INDEX).sum())
-    return None
+    ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() > 0
+    return labels if ok else None
+
+
+def item_count(batch: Any, loss_fn_given: bool) -> int | None:
+    """Labelled items of a micro-batch (elements of ``labels_of``'s labels that are not -100), or
+    None where the batch does not say."""
+    labels = labels_of(batch, loss_fn_given)
+    return None if labels is None else int((labels != IGNORE_INDEX).sum())

@@ -14,7 +14,6 @@ Anything else, or a probe that cannot tell them apart, keeps the window as one b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +23,7 @@ import torch
 from ...errors import AccumcheckError, first_line
 from ...report.stack import JOINED, SPLIT
 from ...run.usermodel import map_leaves
-from ..userbatch import IGNORE_INDEX
+from ..userbatch import IGNORE_INDEX, labels_of
 from .batches import join_padded
 
 CHOICES = ("auto", "joined", "micro-batches")
@@ -194,23 +193,11 @@ def _same_weights(one: list[int], other: list[int]) -> bool:
     return all(x * b == y * a for x, y in zip(one, other))
 
 
-def _labels(batch: Any, labelled: bool) -> torch.Tensor | None:
-    """The integer labels ``userbatch.item_count`` counts, or None."""
-    if isinstance(batch, Mapping):
-        labels = batch.get("labels")
-    elif labelled and isinstance(batch, (tuple, list)) and len(batch) == 2:
-        labels = batch[1]
-    else:
-        labels = None
-    ok = isinstance(labels, torch.Tensor) and not labels.is_floating_point() and labels.dim() > 0
-    return labels if ok else None
-
-
 def _candidates(batches: list[Any], labelled: bool) -> dict[str, list[int]]:
     """The counts a mean loss may divide each micro-batch by: its labelled items, and for a causal
     LM's 2-D ``labels`` those it predicts after its shift."""
     found = {}
-    labels = [_labels(b, labelled) for b in batches]
+    labels = [labels_of(b, labelled) for b in batches]
     if all(t is not None for t in labels):
         found["labelled items"] = [int((t != IGNORE_INDEX).sum()) for t in labels]
         if all(t.dim() == 2 for t in labels):
@@ -220,7 +207,7 @@ def _candidates(batches: list[Any], labelled: bool) -> dict[str, list[int]]:
 
 def _row_counts(batch: Any, labelled: bool, name: str) -> list[int] | None:
     """Each row's count of the kind ``name`` (``_candidates``)."""
-    labels = _labels(batch, labelled)
+    labels = labels_of(batch, labelled)
     if labels is None:
         return None
     kept = labels[:, 1:] if name == "predicted labels" else labels
