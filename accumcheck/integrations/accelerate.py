@@ -42,7 +42,7 @@ try:
 
     from ..torch import loopcheck
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
-    from ..torch.stacks.recorder import stack_library
+    from ..torch.stacks.float64run import stack_library
     from ..torch.stacks.reference import reference_keyword
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "accelerate and PyTorch", "pip install 'accumcheck[accelerate]'") from None
@@ -65,12 +65,13 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
-                 steps: int | None = None, scheduler: Any = None, reference: str = "auto") -> None:
+                 steps: int | None = None, scheduler: Any = None, reference: str = "auto",
+                 memory_budget: int | str | None = None) -> None:
         accelerate = stack_library("accelerate", "Hugging Face accelerate")
         if not isinstance(accelerator, accelerate.Accelerator):
             raise AccumcheckError(f"accelerate.AccumulationCheck: expected an accelerate.Accelerator, got "
                                   f"{type(accelerator).__name__}")
-        super().__init__(model, optimizer, loss_fn, step, steps, scheduler, reference)
+        super().__init__(model, optimizer, loss_fn, step, steps, scheduler, reference, memory_budget)
         self.accelerator = accelerator
         self.version = accelerate.__version__
 
@@ -111,7 +112,7 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     def _stack(self) -> tuple[str, dict[str, str], str]:
         return "accelerate", {"accelerate": self.version, "torch": torch.__version__}, \
             f"accumcheck.integrations.accelerate.AccumulationCheck(accelerator, model, optimizer, steps={self.steps}" \
-            f"{reference_keyword(self.window_reference)})"
+            f"{reference_keyword(self.window_reference)}{self._budget_keyword()})"
 
 
 def run_case(case: Any, accum_steps: int, batches: int | None = None, fault: str | None = None,

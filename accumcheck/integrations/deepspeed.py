@@ -49,7 +49,7 @@ try:
     from ..run.results import StepPrecision
     from ..torch import loopcheck
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
-    from ..torch.stacks.recorder import Float64Run, float64_copy, refresh_copy, stack_library
+    from ..torch.stacks.float64run import Float64Run, float64_copy, refresh_copy, stack_library
     from ..torch.stacks.reference import reference_keyword
 except ModuleNotFoundError as exc:
     raise missing(__name__, exc, "DeepSpeed and PyTorch", "pip install torch deepspeed") from None
@@ -78,11 +78,14 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
                 "and the random states")
     def __init__(self, engine: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
-                 reference: str = "auto") -> None:
+                 reference: str = "auto", memory_budget: int | str | None = None) -> None:
         deepspeed = stack_library("deepspeed", "DeepSpeed")
         _refuse_unjudgeable(engine, deepspeed, self.who)
         scheduler = engine.lr_scheduler if callable(getattr(engine.lr_scheduler, "state_dict", None)) else None
+        # the engine is judged against a float64 copy of its module: a budget must hold it
+        loopcheck.replica_fits(memory_budget, engine.module, engine.optimizer, self.who)
         super().__init__(engine.module, engine.optimizer, loss_fn, step, steps, scheduler, reference)
+        self.memory_budget = memory_budget
         self.engine = engine
         self.version = deepspeed.__version__
         self._full_grad = deepspeed.utils.safe_get_full_grad
@@ -178,7 +181,7 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     def _stack(self) -> tuple[str, dict[str, str], str]:
         return "deepspeed", {"deepspeed": self.version, "torch": torch.__version__}, \
             f"accumcheck.integrations.deepspeed.AccumulationCheck(engine, steps={self.steps}" \
-            f"{reference_keyword(self.window_reference)})"
+            f"{reference_keyword(self.window_reference)}{self._budget_keyword()})"
 
 
 def engine_precision(engine: Any) -> StepPrecision:

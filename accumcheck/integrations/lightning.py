@@ -39,8 +39,11 @@ try:
     import torch
 
     from ..run.results import StepPrecision
+    from ..torch.loopcheck import replica_fits
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
-    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, refresh_copy
+    from ..torch.stacks.float64run import Float64Run, float64_copy, float64_leaves, refresh_copy
+    from ..torch.stacks.owndtype import OwnDtypeReference, budget_note, budgeted
+    from ..torch.stacks.recorder import StackRecorder
     from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
@@ -55,7 +58,7 @@ class AccumulationCheck(pl.Callback):
     raised); it raises NothingJudgedError for a fit in which nothing was judged."""
 
     def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None,
-                 reference: str = "auto") -> None:
+                 reference: str = "auto", memory_budget: int | str | None = None) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise AccumcheckError(f"lightning.AccumulationCheck: steps must be a positive integer, got {steps!r}")
         if loss is not None and not callable(loss):
@@ -63,6 +66,8 @@ class AccumulationCheck(pl.Callback):
                                   f"got {type(loss).__name__}")
         self.steps, self.loss = steps, loss
         self.window_reference = reference_choice(reference, "lightning.AccumulationCheck")
+        self.memory_budget = memory_budget
+        self._own: OwnDtypeReference | None = None
         self.recorder: StackRecorder | None = None
         self._run: Float64Run | None = None
         self._report: StackReport | None = None
@@ -86,17 +91,24 @@ class AccumulationCheck(pl.Callback):
         parallel = trainer.world_size > 1
         World.current().meet("lightning.AccumulationCheck")  # a rank without the callback: named, not waited for
         self._copy = None
+        who = "lightning.AccumulationCheck"
+        if parallel:
+            replica_fits(self.memory_budget, pl_module, next(iter(trainer.optimizers), None), who)
+        else:
+            self._own = budgeted(self.memory_budget, pl_module, list(trainer.optimizers),
+                                 lambda k: trainer.accumulate_grad_batches, who)
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
                                       reference=self._reference if parallel else None,
                                       precision=StepPrecision() if parallel else None,
-                                      window_reference=self.window_reference)
+                                      window_reference=self.window_reference, own_dtype=self._own)
         self._report, self._ended = None, None
-        self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel)
+        self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel and self._own is None,
+                               on_disk=self._own is not None)
         self._run.__enter__()
         if trainer.optimizers:
-            self.recorder.watch_updates(trainer.optimizers[0])
+            self.recorder.watch_updates(trainer.optimizers[0], replay=self._own is None)
         self._strategy = trainer.strategy
-        if not parallel:
+        if not parallel and self._own is None:
             transfer = trainer.strategy.batch_to_device
             trainer.strategy.batch_to_device = lambda *args, **kwargs: float64_leaves(transfer(*args, **kwargs))
 
@@ -183,12 +195,15 @@ class AccumulationCheck(pl.Callback):
                         "of it; the module, its optimizers and the random states were put back after the fit")
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
+        notes += [note for note in (budget_note(self._own, self._module, []),) if note]
+        budget = "" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}"
         return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen_everywhere,
                             {"lightning": pl.__version__, "torch": torch.__version__}, notes,
                             reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}"
-                                      f"{reference_keyword(self.window_reference)}) among the Trainer's callbacks",
+                                      f"{reference_keyword(self.window_reference)}{budget}) among the Trainer's callbacks",
                             coverage=coverage, world_size=world.size,
-                            precision="float64" if recorder.precision is None else recorder.precision.reduction)
+                            precision="float64" if recorder.precision is None else recorder.precision.reduction,
+                            reference_dtype="float64" if self._own is None else recorder.computed)
 
 
 def _idle_fix(trainer: Any) -> str:

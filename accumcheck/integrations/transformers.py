@@ -39,7 +39,9 @@ try:
 
     from ..torch.stacks.batches import join_paired
     from ..torch.stacks.cases import CaseLM, case_examples
-    from ..torch.stacks.recorder import Float64Run, StackRecorder, float64_kernel_error, stack_library
+    from ..torch.stacks.float64run import Float64Run, float64_kernel_error, stack_library
+    from ..torch.stacks.owndtype import budget_note, budgeted, sampled_reference
+    from ..torch.stacks.recorder import StackRecorder
     from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
 except ModuleNotFoundError as exc:
@@ -54,7 +56,7 @@ GENERATING = frozenset({"GRPOTrainer", "RLOOTrainer", "OnlineDPOTrainer", "PPOTr
 
 
 def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[Any], Any]] | None = None,
-          reference: str = "auto") -> StackReport:
+          reference: str = "auto", memory_budget: int | str | None = None) -> StackReport:
     """Run ``steps`` optimizer steps of ``trainer`` (default: as many as its own arguments ask
     for) in float64 and judge each step's gradient against its window's as one batch. Returns a
     StackReport: a verdict per optimizer step, the micro-batches seen and any never stepped on.
@@ -71,7 +73,13 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     own loss on each, weighted by its share of the window's labelled or predicted tokens; one
     micro-batch's activations) where the loss is shown to be such a mean and has no terms, else on
     the window as one batch; "joined" always on the window as one batch; "micro-batches" raises
-    where a window cannot be split."""
+    where a window cannot be split.
+
+    ``memory_budget`` (bytes, or a text such as "2G"): what the check may hold beside the run. Where
+    a float64 copy of the model and its optimizer state does not fit, each window's reference is
+    computed in the model's own dtype micro-batch by micro-batch, summed in float64, in groups of
+    tensors that fit (``accumcheck.torch.stacks.owndtype``), and judged within the round-off of
+    both dtypes; a budget the largest tensor alone does not fit is refused naming the least one."""
     transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
     if not isinstance(trainer, transformers.Trainer):
         raise AccumcheckError(f"transformers.check: expected a transformers.Trainer, got {type(trainer).__name__}")
@@ -89,10 +97,14 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                               "on recorded batches with accumcheck.torch.check, or a Trainer that trains on its data")
     window_reference = reference_choice(reference, "transformers.check")
     model = trainer.model
+    optimizers = [trainer.optimizer] if trainer.optimizer is not None else []
+    own = budgeted(memory_budget, model, optimizers, lambda k: trainer.args.gradient_accumulation_steps,
+                   "transformers.check")
     join = join_paired if lineage & PAIRED else None
     World.current().meet("transformers.check")  # a rank without the check: named, not waited for
     recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join,
-                             window_reference=window_reference)
+                             window_reference=window_reference, own_dtype=own)
+    recorder.computed = _computed_dtype(trainer.args, model)
     # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
     recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)
     callback = _callback(transformers, recorder, steps)
@@ -102,7 +114,8 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     # accelerate's shared gradient state: a run that raises leaves its loader among the active ones
     gradient_state = trainer.accelerator.gradient_state
     iterating = (gradient_state.sync_gradients, gradient_state.dataloader_references)
-    run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else ())
+    run = Float64Run(model, (trainer.optimizer,) if trainer.optimizer is not None else (), float64=own is None,
+                     on_disk=own is not None)
     callbacks = list(trainer.callback_handler.callbacks)
     # The check's steps are no training of yours: not printed, not sent to TensorBoard, W&B, ...
     trainer.callback_handler.callbacks = [c for c in callbacks if not _reports(transformers, c)]
@@ -149,14 +162,84 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
              "optimizer, scheduler, Trainer state and random states were put back after it"]
     if world.parallel:
         notes.append(data_parallel_note(world, getattr(args, "average_tokens_across_devices", None)))
+    notes += [n for n in (budget_note(own, model, optimizers),) if n]
     coverage = recorder.coverage("transformers.check", "the Trainer's training_step",
                                  "let the Trainer's own loop feed its micro-batches (a training loop of your own: "
                                  "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
     return stack_report("transformers", type(model).__name__, args.gradient_accumulation_steps, recorder.windows,
                         recorder.seen_everywhere, {"transformers": transformers.__version__, **_versions()}, notes,
                         reproduce=f"accumcheck.integrations.transformers.check(trainer, steps={steps}"
-                                  f"{reference_keyword(window_reference)})",
-                        micro_batches_expected=expected, coverage=coverage, world_size=world.size)
+                                  f"{reference_keyword(window_reference)}"
+                                  f"{'' if memory_budget is None else f', memory_budget={memory_budget!r}'})",
+                        micro_batches_expected=expected, coverage=coverage, world_size=world.size,
+                        reference_dtype="float64" if own is None else recorder.computed)
+
+
+class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sampled``)
+    """The sampled check, on in your real run: the Trainer trains as configured (its dtype, dropout,
+    logging, everything it does), untouched, and one window in ``every`` is judged, with every window
+    whose number of micro-batches differs from the one before (an epoch's short last window, a data
+    loader's change, the first window after a resumed run's start), so a fault that appears only
+    at step 40,000 is still seen. A judged window's reference is computed beside the run in the
+    model's own dtype, micro-batch by micro-batch with the run's own random draws (dropout), summed
+    in float64 (``accumcheck.torch.stacks.owndtype``; within ``memory_budget`` where given).
+
+        with accumcheck.integrations.transformers.watch(trainer, every=100) as sampled:
+            trainer.train()
+        print(sampled.report.render())   # the steps judged, and why each
+
+    Only windows whose loss splits micro-batch by micro-batch are judged (a window that cannot be
+    split raises AccumcheckError at that step, naming why). The report lists the steps judged."""
+
+    def __init__(self, trainer: Any, every: int = 100, terms: Mapping[str, Callable[[Any], Any]] | None = None,
+                 memory_budget: int | str | None = None) -> None:
+        transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
+        if not isinstance(trainer, transformers.Trainer):
+            raise AccumcheckError(f"transformers.watch: expected a transformers.Trainer, got {type(trainer).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise AccumcheckError(f"transformers.watch: every must be a positive integer, got {every!r}")
+        self.trainer, self.every = trainer, every
+        model = trainer.model
+        own = sampled_reference(memory_budget, model, lambda k: trainer.args.gradient_accumulation_steps,
+                                "transformers.watch")
+        self.recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}),
+                                      join_paired if {c.__name__ for c in type(trainer).__mro__} & PAIRED else None,
+                                      window_reference="micro-batches", own_dtype=own, every=every)
+        self.recorder.computed = _computed_dtype(trainer.args, model)
+        self.recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)
+        self._callback = _callback(transformers, self.recorder, None, updates=False)
+
+    def __enter__(self) -> "watch":
+        trainer = self.trainer
+        trainer.training_step = _recording(trainer.training_step, self.recorder)
+        trainer.accelerator.clip_grad_norm_ = _captured_first(trainer.accelerator.clip_grad_norm_, self.recorder)
+        trainer.add_callback(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder.unwatch()
+        self.trainer.__dict__.pop("training_step", None)
+        self.trainer.accelerator.__dict__.pop("clip_grad_norm_", None)
+        self.trainer.remove_callback(self._callback)
+
+    @property
+    def report(self) -> StackReport:
+        """The steps judged so far (StackReport; NothingJudgedError where the run fed nothing)."""
+        transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
+        recorder, args = self.recorder, self.trainer.args
+        judged = ", ".join(f"{step} ({why})" for step, why in recorder.judged_why.items())
+        notes = [f"sampled in your run: {len(recorder.windows)} of {recorder.optimizer_steps} optimizer steps judged, "
+                 f"one in {self.every} and every window of a new length (steps {judged or 'none'}); the Trainer "
+                 "trained as configured, its dropout replayed for the reference", budget_note(
+                     recorder.own_dtype, self.trainer.model, [self.trainer.optimizer], sampled=True)]
+        coverage = recorder.coverage("transformers.watch", "the Trainer's training_step",
+                                     "let the Trainer's own loop feed its micro-batches", "the Trainer", _idle_fix(args))
+        return stack_report("transformers", type(self.trainer.model).__name__, args.gradient_accumulation_steps,
+                            recorder.windows, recorder.seen_everywhere,
+                            {"transformers": transformers.__version__, **_versions()}, [n for n in notes if n],
+                            reproduce=f"accumcheck.integrations.transformers.watch(trainer, every={self.every})",
+                            coverage=coverage, world_size=recorder.world.size, reference_dtype=recorder.computed,
+                            stepped=recorder.stepped_indices)
 
 
 def data_parallel_note(world: Any, average_tokens: bool | None) -> str:
@@ -303,20 +386,31 @@ def _captured_first(clip: Any, recorder: StackRecorder) -> Any:
     return clip_grad_norm_
 
 
-def _callback(transformers: Any, recorder: StackRecorder, steps: int | None) -> Any:
+def _callback(transformers: Any, recorder: StackRecorder, steps: int | None, updates: bool = True) -> Any:
     class AccumulationCheckCallback(transformers.TrainerCallback):
         """Watches the optimizer the Trainer made, and stops after ``steps`` optimizer steps."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if optimizer is not None:
                 recorder.watch(optimizer)
-                recorder.watch_updates(optimizer)
+                if updates:
+                    recorder.watch_updates(optimizer, replay=recorder.own_dtype is None)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if steps is not None and len(recorder.windows) >= steps:
                 control.should_training_stop = True
 
     return AccumulationCheckCallback()
+
+
+def _computed_dtype(args: Any, model: Any) -> str:
+    """The dtype the Trainer computes its micro-gradients in: autocast's where it mixes precision."""
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    if getattr(args, "fp16", False):
+        return "float16"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _versions() -> dict[str, str]:

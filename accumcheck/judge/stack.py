@@ -69,6 +69,8 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     """The verdict of one optimizer step: its applied gradient A against its window's F (in a
     data-parallel run, F of every rank's micro-batches of the step); below float64, also A's
     distance from F against the round-off of the stack's dtypes (``precision_fit``)."""
+    if window.judged is not None:  # judged in groups of tensors as it was captured (a memory budget)
+        return dataclasses.replace(window.judged, step=window.step)
     world = window.world_size
     h = window.hypotheses
     if world > 1 and window.item_counts is not None and h.rank_items is None:
@@ -82,7 +84,7 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     result = full_batch_verdict(gap, accum_steps, world, micro_batches=len(window.micro_batches) // world or None,
                                 contexts=window.contexts)
     precision = None
-    if window.precision is not None and window.absum is not None:
+    if window.precision is not None and (window.absum is not None or window.scale_norm is not None):
         precision = precision_fit(window, accum_steps)
     explanation = step_words(result.explanation)
     if precision is not None and not result.equivalent and precision.error <= precision.bound:
@@ -108,13 +110,16 @@ def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
     world = window.world_size
     local = max(1, math.ceil(len(window.micro_batches) / world))
 
+    # a reference computed below float64 (a memory budget, a sampled check) rounds like the stack's own
+    u_ref = UNIT_ROUNDOFF[p.reference] if p.reference != "float64" else 0.0
+
     def bound(accumulation: str, reduction: str, computed: str) -> float:
         u_acc, u_red, u_comp = (UNIT_ROUNDOFF[d] for d in (accumulation, reduction, computed))
         rounded = u_red if u_red > u_acc else 0.0
-        return gamma(local, u_acc) + gamma(world, u_red) + rounded + COMPUTE_ROUNDINGS * u_comp + 2 * UNIT_ROUNDOFF[
-            "float32"]
+        return gamma(local, u_acc) + gamma(world, u_red) + rounded + COMPUTE_ROUNDINGS * (u_comp + u_ref) + \
+            2 * UNIT_ROUNDOFF["float32"]
 
-    top = math.sqrt(sum(float(np.sum(np.square(s))) for s in window.absum.values()))
+    top = window_scale(window)
     gap = math.sqrt(sum(float(np.sum(np.square(window.applied[n] - f))) for n, f in window.window.items()))
     error = gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
     float32 = bound("float32", "float32", "float32")
@@ -133,6 +138,30 @@ def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
                             lost_in=" and ".join(lost) if error > float32 else "")
 
 
+def window_scale(window: StackWindow) -> float:
+    """||S||: the 2-norm of the sum over the window's micro-batches of their gradients' magnitudes
+    (where only a bound on it was kept, the sum over the micro-batches of their gradients' norms)."""
+    if window.absum is None:
+        return window.scale_norm or 0.0
+    return math.sqrt(sum(float(np.sum(np.square(s))) for s in window.absum.values()))
+
+
+def judge_groups(steps: list[StackStep], note: str) -> StackStep:
+    """One step judged in groups of its tensors (``steps``: each group's verdict, ``judge_window``
+    of a window holding that group's A, F and S): faithful where every group is, and read as the
+    group furthest from it (its largest difference, or its round-off error), with every group's
+    per-tensor factors; ``note`` is added to how the reference was computed."""
+    flagged = [s for s in steps if s.gradient_verdict not in ("faithful", "batch-level")]
+    worst = max(flagged or steps, key=lambda s: (s.result.max_relative_difference,
+                                                s.precision.error if s.precision is not None else 0.0))
+    if not flagged and any(s.precision is not None for s in steps):
+        worst = max(steps, key=lambda s: s.precision.error if s.precision is not None else 0.0)
+    factors = {name: f for s in steps for name, f in s.result.tensor_factors.items()}
+    silent = [name for s in steps for name in s.result.silent_tensors]
+    result = dataclasses.replace(worst.result, tensor_factors=factors, silent_tensors=silent)
+    return dataclasses.replace(worst, result=result, reference_note=f"{worst.reference_note}; {note}".strip("; "))
+
+
 def precision_sentence(fit: StepPrecisionFit) -> str:
     """What a step below float64 applied, against its round-off."""
     figures = f"|A - F| = {fit.error:.2g} of |S|"
@@ -149,7 +178,7 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
                  versions: dict[str, str], notes: list[str] | None = None, reproduce: str = "",
                  precision: str = "float64", micro_batches_expected: int | None = None,
                  coverage: Coverage | None = None, world_size: int = 1,
-                 reference_dtype: str = "float64") -> StackReport:
+                 reference_dtype: str = "float64", stepped: set[int] | None = None) -> StackReport:
     """The report of a stack's run: every window judged; the micro-batches that ran but are in no
     window are the ones never stepped on.
 
@@ -157,12 +186,13 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
     ``coverage``, whether the stack stepped without the check seeing its micro-batches or took no
     step at all), and AccumcheckError where optimizer steps with no recorded micro-batch would leave
     a report that passes; a report flagged anyway keeps its findings and says which steps were not
-    judged. So no StackReport made here has exit code 0 with nothing judged."""
+    judged. So no StackReport made here has exit code 0 with nothing judged. ``stepped``: the
+    micro-batches that reached a step where not every window was judged (a sampled check)."""
     coverage = coverage or Coverage(who=f"{stack} check", feed="the check", fix="feed every micro-batch through "
                                     "the check", idle="the run", idle_fix="run at least one optimizer step")
     if not windows and not micro_batches_seen:
         raise NothingJudgedError(_nothing_judged(coverage))
-    stepped = {i for w in windows for i in w.micro_batches}
+    stepped = {i for w in windows for i in w.micro_batches} | (stepped or set())
     steps = [judge_window(w, accum_steps) for w in windows]
     _split_windows(steps)
     report = StackReport(stack=stack, model=model, accum_steps=accum_steps,

@@ -156,6 +156,7 @@ class StepPrecision:
     accumulation: str = "float32"
     reduction: str = "float32"
     computed: str = "float32"
+    reference: str = "float64"  # the dtype the window's reference gradient was computed in (its own round-off)
 
 
 @dataclass
@@ -208,3 +209,5 @@ class StackWindow:
     update: StepUpdate | None = None  # what the optimizer step did with the gradient, where the stack watched it
     reference: str = JOINED  # how ``window`` was computed (``accumcheck.report.stack.REFERENCES``)
     reference_note: str = ""  # why that reference, or how it weighted the micro-batches
+    scale_norm: float | None = None  # without absum: a bound on ||S|| (sum over micro-batches of their norms)
+    judged: Any = None  # the StackStep already judged where the window was judged as it was captured (in groups)

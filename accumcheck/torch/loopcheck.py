@@ -36,10 +36,14 @@ from typing import Any, Callable
 import torch
 
 from ..errors import AccumcheckError, NothingJudgedError
+from ..files import size_text
 from ..judge.stack import stack_report
+from ..options.values import byte_count
 from ..report import StackReport
 from ..run.results import StepPrecision
-from .stacks.recorder import Float64Run, StackRecorder, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .stacks.float64run import Float64Run, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .stacks.owndtype import budget_note, budgeted, float64_need
+from .stacks.recorder import StackRecorder
 from .stacks.reference import reference_choice, reference_keyword
 from .stacks.world import World
 from .userbatch import micro_loss
@@ -69,7 +73,7 @@ class AccumulationCheck:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
-                 scheduler: Any = None, reference: str = "auto") -> None:
+                 scheduler: Any = None, reference: str = "auto", memory_budget: int | str | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise AccumcheckError(f"{self.who}: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step is not None:
@@ -89,9 +93,17 @@ class AccumulationCheck:
         self.window_reference = reference_choice(reference, self.who)
         self.sharded = _fully_sharded(self.model)
         self.parallel = self.sharded or self.wrapper is not self.model
+        self.memory_budget = memory_budget
+        self.own = None
+        self._window_length = 1
+        if self.parallel:
+            replica_fits(memory_budget, self.model, self.optimizer, self.who)
+        else:
+            self.own = budgeted(memory_budget, self.model, [self.optimizer], self._longest_window, self.who)
         # DDP's buckets and FSDP2's shards are set up for the model's dtypes: such a model runs in them,
-        # judged against a float64 copy; any other runs in float64
-        self.run = Float64Run(self.model, (self.optimizer,), float64=not self.parallel)
+        # judged against a float64 copy; any other runs in float64 (in its own dtype under a memory budget)
+        self.run = Float64Run(self.model, (self.optimizer,), float64=not self.parallel and self.own is None,
+                              on_disk=self.own is not None)
         self.recorder: StackRecorder | None = None
         self._replica: torch.nn.Module | None = None
         self._before_clip: dict[int, torch.Tensor | None] | None = None
@@ -122,7 +134,8 @@ class AccumulationCheck:
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None,
                                       applied_gradient=self._applied, precision=precision,
                                       reference=self._reference if self.parallel else None,
-                                      window_reference=self.window_reference)
+                                      window_reference=self.window_reference, own_dtype=self.own)
+        self.recorder.computed = _dtype_name(self.model)
         self.run.__enter__()
         self._inside = True
         try:
@@ -131,7 +144,8 @@ class AccumulationCheck:
                 setattr(torch.nn.utils, name, self._captured_first(clip))
             self.recorder.watch(self.optimizer)
             if self.judges_updates:
-                self.recorder.watch_updates(self.optimizer, replay=not self.sharded).clip_watched = True
+                self.recorder.watch_updates(self.optimizer, replay=not self.sharded and self.own is None
+                                            ).clip_watched = True
             self._reset = self.optimizer.register_step_pre_hook(self._stepped)  # after the recorder's capture
             self._sync_hook = self.wrapper.register_forward_pre_hook(self._note_sync) \
                 if self.wrapper is not self.model else None
@@ -183,7 +197,7 @@ class AccumulationCheck:
                     return
                 recorder.record(batch)
                 self._before_clip = None  # a clip is read as it was before the last micro-batch's clips
-                yield batch if self.parallel else float64_leaves(batch)
+                yield batch if self.parallel or self.own is not None else float64_leaves(batch)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
@@ -233,7 +247,14 @@ class AccumulationCheck:
             refresh(self._replica, self.model)
         return self._replica
 
+    def _longest_window(self, micro_batches: int) -> int:
+        """N where a window is judged as it is captured: the most micro-batches a window held so far."""
+        self._window_length = max(self._window_length, micro_batches)
+        return self._window_length
+
     def _window_loss(self, model: Any, batch: Any) -> Any:
+        if self.own is not None:  # the model's own dtype: the batch as the loop fed it
+            return micro_loss(model, batch, "the window as one batch", self.loss_fn, self.step)
         return micro_loss(model, float64_leaves(batch), "the window as one batch", self.loss_fn, self.step)
 
     def _note_sync(self, module: Any, args: Any) -> None:
@@ -266,7 +287,10 @@ class AccumulationCheck:
         """The stack's name, its versions and how to reproduce the check, for the report."""
         return "fsdp2" if self.sharded else "loop", {"torch": torch.__version__}, \
             "accumcheck.torch.AccumulationCheck(model, optimizer, " \
-            f"steps={self.steps}{reference_keyword(self.window_reference)})"
+            f"steps={self.steps}{reference_keyword(self.window_reference)}{self._budget_keyword()})"
+
+    def _budget_keyword(self) -> str:
+        return "" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}"
 
     def _build_report(self) -> StackReport:
         recorder = self.recorder
@@ -281,8 +305,10 @@ class AccumulationCheck:
                          f"in {policy.accumulation}, reduced in {policy.reduction}) against a float64 copy of it; the "
                          f"{self.restored} were put back after the run")
         else:
-            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in float64; the "
+            ran = "float64" if self.own is None else f"its own dtype ({recorder.computed})"
+            notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in {ran}; the "
                          f"{self.restored} were put back after the run")
+            notes += [n for n in (budget_note(self.own, self.model, [self.optimizer]),) if n]
         if world.parallel:
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
@@ -298,7 +324,8 @@ class AccumulationCheck:
         return stack_report(stack, type(self.model).__name__, accum_steps, recorder.windows,
                             recorder.seen_everywhere, versions, notes, reproduce=reproduce,
                             coverage=coverage, world_size=world.size,
-                            precision="float64" if recorder.precision is None else recorder.precision.reduction)
+                            precision="float64" if recorder.precision is None else recorder.precision.reduction,
+                            reference_dtype="float64" if self.own is None else recorder.computed)
 
     def _accum_steps(self) -> int:
         """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""
@@ -318,6 +345,22 @@ class AccumulationCheck:
                 "all-reduces more than one per window, a cost and not a fault (the gradient is the same); "
                 "skip the sync with model.no_sync() or require_backward_grad_sync = False on all but a window's last "
                 "micro-step")
+
+
+def replica_fits(memory_budget: Any, model: torch.nn.Module, optimizer: Any, who: str) -> None:
+    """A data-parallel or sharded model is judged against a float64 replica of the whole model:
+    a ``memory_budget`` that does not hold it is refused in one line, with the least that does."""
+    if memory_budget is None:
+        return
+    try:
+        budget = byte_count(memory_budget)
+    except ValueError as exc:
+        raise AccumcheckError(f"{who}: memory_budget: {exc}") from None
+    need = float64_need(model, [optimizer])
+    if need > budget:
+        raise AccumcheckError(f"{who}: memory_budget {size_text(budget)}: a data-parallel or sharded model is judged "
+                              f"against a float64 replica of the whole model, which needs {size_text(need)}; give at "
+                              f"least {need} ({size_text(need)}), or check one process of it")
 
 
 def _fully_sharded(model: torch.nn.Module) -> bool:

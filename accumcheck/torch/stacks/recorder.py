@@ -10,17 +10,13 @@ stack does not hide anything here (precision is what ``accumcheck check`` looks 
 
 from __future__ import annotations
 
-import copy
-import importlib
-import random
-import re
-from collections import defaultdict
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from ...errors import AccumcheckError, first_line
+from ...errors import AccumcheckError
 from ...judge.fullbatch import SEMANTIC_TOLERANCE, largest_difference
 from ...judge.stack import Coverage
 from ...run.results import Hypotheses, StackWindow, StepPrecision, TermGradients
@@ -29,183 +25,11 @@ from ..bydesign import batch_level_modules
 from ..casemodel import to_numpy
 from ..userbatch import item_count
 from .batches import join_padded, predicted_count
+from .float64run import innermost_optimizer
+from .owndtype import OwnDtypeReference, restore_rng, rng_state
 from .reference import ReferencePlan, add_gradients, plan_reference, reference_choice, weighted_absum, weighted_sum
 from .stepwatch import StepWatch
 from .world import World
-
-_DROPOUT_WORDS = ("dropout", "pdrop")
-
-
-def stack_library(name: str, what: str) -> Any:
-    """The stack's library, imported when a check first needs it; missing, one AccumcheckError
-    saying what to install (``accumcheck[name]``)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        raise AccumcheckError(f"the {name} stack needs {what}; install it with pip install "
-                              f"'accumcheck[{name}]'") from None
-
-
-def float64_leaves(value: Any) -> Any:
-    """``value`` with every floating tensor in it in float64 (through tuples, lists, mappings)."""
-    return map_leaves(value, lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                      else t)
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a stack's wrapper (accelerate's AcceleratedOptimizer, Lightning's
-    LightningOptimizer), whose step runs only when the stack really steps."""
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer) or type(optimizer).__name__ == "AcceleratedOptimizer":
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or seen > 8:
-            break
-        optimizer, seen = inner, seen + 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise AccumcheckError(f"stack check: {type(optimizer).__name__} is not a torch optimizer and wraps none; "
-                              "pass the optimizer the stack steps")
-    return optimizer
-
-
-class Float64Run:
-    """The model (and its optimizers) in float64 for the check (unless ``float64`` is False: a
-    data-parallel or sharded stack whose communication is set up for its dtypes runs in them, and
-    is judged against a float64 copy), dropout off, and everything put back on exit: parameter and buffer tensors (the very ones, so their values are bit for bit
-    as before), ``.grad``, training flags, dropout rates, optimizer state and hyper-parameters,
-    a ``forward`` a stack patched onto the model, and the random states the stack reseeds."""
-
-    def __init__(self, model: torch.nn.Module, optimizers: tuple[Any, ...] = (), float64: bool = True) -> None:
-        self.model = model
-        self.optimizers = [innermost_optimizer(o) for o in optimizers if o is not None]
-        self.dropouts = 0
-        self.float64 = float64  # False: the model keeps its dtypes (a stack judged against a float64 copy)
-
-    def __enter__(self) -> "Float64Run":
-        model = self.model
-        self._params = [p for p in model.parameters()]
-        self._data = [p.data for p in self._params]
-        self._grads = [p.grad for p in self._params]
-        self._buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-        self._flags = [(m, m.training) for m in model.modules()]
-        self._forward = model.__dict__.get("forward")
-        self._rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        self._optimizer_state = [(o, o.state, [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups])
-                                 for o in self.optimizers]
-        self._rates = self._dropout_off(model)
-        if not self.float64:
-            self._hook, self._experts = None, None
-            return self
-        with torch.no_grad():
-            for p in self._params:
-                if p.is_floating_point():
-                    p.data = p.data.to(torch.float64)
-                p.grad = None
-            for m, name, b in self._buffers:
-                if b.is_floating_point():
-                    m._buffers[name] = b.to(torch.float64)
-            for o in self.optimizers:  # state the optimizer already has, as copies: float64 for the run
-                fresh: defaultdict[Any, dict[str, Any]] = defaultdict(dict)  # as torch's own: new params get {}
-                for p, s in o.state.items():
-                    fresh[p] = {k: _run_copy(v) for k, v in s.items()}
-                o.state = fresh
-        self._hook = model.register_forward_pre_hook(_inputs_in_float64, with_kwargs=True)
-        self._experts = _eager_experts(model)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        if self._experts is not None:
-            self.model.set_experts_implementation(self._experts)
-        for p, data, grad in zip(self._params, self._data, self._grads):
-            p.data = data
-            p.grad = grad
-        for m, name, b in self._buffers:
-            m._buffers[name] = b
-        for m, flag in self._flags:
-            m.training = flag
-        for obj, attr, value in self._rates:
-            setattr(obj, attr, value)
-        if self._forward is None:
-            self.model.__dict__.pop("forward", None)
-        else:
-            self.model.forward = self._forward
-        for o, state, groups in self._optimizer_state:
-            o.state = state
-            for group, saved in zip(o.param_groups, groups):
-                group.update(saved)
-        random.setstate(self._rng[0])
-        np.random.set_state(self._rng[1])
-        torch.set_rng_state(self._rng[2])
-
-    def _dropout_off(self, model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
-        """Every dropout rate set to 0, as (object, attribute, old value): ``nn.Dropout*`` modules'
-        ``p`` and float attributes named like a dropout rate (Hugging Face attention modules
-        keep ``attention_dropout`` and call the functional form)."""
-        saved = []
-        for m in model.modules():
-            for attr, value in list(vars(m).items()):
-                is_rate = (attr == "p" and isinstance(m, torch.nn.modules.dropout._DropoutNd)) or \
-                    any(word in attr.lower() for word in _DROPOUT_WORDS)
-                if is_rate and isinstance(value, float) and value > 0:
-                    saved.append((m, attr, value))
-                    setattr(m, attr, 0.0)
-        self.dropouts = len(saved)
-        return saved
-
-
-def float64_copy(model: torch.nn.Module, shared: tuple[Any, ...] = ()) -> torch.nn.Module:
-    """A copy of ``model`` in float64 sharing no storage with it, dropout off, for a reference
-    computed beside a stack that runs in its own dtypes (``refresh_copy`` brings its weights up);
-    the objects in ``shared`` (a Lightning module's trainer) referenced, not copied."""
-    with torch.no_grad():
-        copied = copy.deepcopy(model, {id(obj): obj for obj in shared}).to(torch.float64)
-    for p in copied.parameters():
-        p.grad = None
-    return copied
-
-
-def refresh_copy(copied: torch.nn.Module, model: torch.nn.Module) -> None:
-    """``copied``'s parameters and buffers set to ``model``'s values now (float64)."""
-    with torch.no_grad():
-        for (_, mine), (_, theirs) in zip(copied.named_parameters(), model.named_parameters()):
-            mine.copy_(theirs.detach())
-        for (_, mine), (_, theirs) in zip(copied.named_buffers(), model.named_buffers()):
-            mine.copy_(theirs.detach())
-
-
-def _eager_experts(model: torch.nn.Module) -> dict[str, Any] | None:
-    """A Hugging Face mixture-of-experts model switched to its eager experts path, whose matmuls
-    run in float64 (the default ``grouped_mm`` kernel has no float64 on the CPU); its
-    implementation as found, to put back, or None where nothing was switched."""
-    get, set_ = getattr(model, "get_experts_implementation", None), getattr(model, "set_experts_implementation", None)
-    if not (callable(get) and callable(set_)):
-        return None
-    found = get()
-    if not isinstance(found, dict) or all(value in (None, "eager") for value in found.values()):
-        return None
-    set_("eager")
-    return found
-
-
-def float64_kernel_error(exc: BaseException) -> str | None:
-    """The message of an error from an operation with no float64 kernel (``got Double``, ``not
-    implemented for 'Double'``), or None for any other error."""
-    text = first_line(exc)
-    return text if isinstance(exc, (RuntimeError, TypeError, NotImplementedError)) and re.search(
-        r"\bDouble\b|float64", text) else None
-
-
-def _run_copy(value: Any) -> Any:
-    """An optimizer state value for the run: a copy (a 0-dim ``step`` too, which the run's steps
-    would otherwise count up in place), floating tensors of parameter shape in float64."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.to(torch.float64) if value.is_floating_point() and value.dim() > 0 else value.clone()
-
-
-def _inputs_in_float64(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    return float64_leaves(args), float64_leaves(kwargs)
 
 
 class StackRecorder:
@@ -236,7 +60,8 @@ class StackRecorder:
                  join_window: Callable[[list[Any]], Any] | None = None, labelled: bool = False, *,
                  applied_gradient: Callable[[str, torch.nn.Parameter], torch.Tensor | None] | None = None,
                  reference: Callable[[], torch.nn.Module] | None = None,
-                 precision: StepPrecision | None = None, window_reference: str = "auto") -> None:
+                 precision: StepPrecision | None = None, window_reference: str = "auto",
+                 own_dtype: OwnDtypeReference | None = None, every: int | None = None) -> None:
         self.model = model
         self.window_reference = reference_choice(window_reference, "stack check")  # ``stacks.reference``
         self.window_loss = window_loss
@@ -256,6 +81,14 @@ class StackRecorder:
         self._hooks: list[Any] = []
         self.step_watch: StepWatch | None = None  # what each optimizer step does with the gradient
         self._window_step = -1  # the optimizer step the last captured window is applied at
+        # the windows' references in the model's own dtype, in groups of tensors (a memory budget, a sampled run)
+        self.own_dtype = own_dtype
+        self.computed = "float32"  # the dtype the stack computes its micro-gradients in (autocast's), for own_dtype
+        self.every = every  # sampled: one window in ``every`` judged, and every window of a new length
+        self.stepped_indices: set[int] = set()  # micro-batches that reached a step, judged or not (sampled)
+        self.judged_why: dict[int, str] = {}  # sampled: the optimizer steps judged, and why each
+        self._rng: list[Any] = []  # sampled: torch's random states as each pending micro-batch began
+        self._last_length: int | None = None
 
     @property
     def seen_everywhere(self) -> int:
@@ -265,6 +98,8 @@ class StackRecorder:
     def record(self, batch: Any) -> None:
         """One micro-batch entered the current window (kept as it was fed)."""
         kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+        if self.every is not None:  # the run's own dropout: the reference draws what this micro-batch draws
+            self._rng.append(rng_state())
         if self.step_watch is not None:
             self.step_watch.micro_batch()
         self.pending.append((self.world.global_index(self.seen), kept))
@@ -324,7 +159,11 @@ class StackRecorder:
         pending = sorted((entry for part in world.gather(self.pending) for entry in part), key=lambda e: e[0])
         if not pending:
             return
+        if self.every is not None and not self._sampled(pending):
+            return
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        if self.own_dtype is not None:
+            return self._capture_own_dtype(named, pending)
         applied = {name: _array(self.applied_gradient(name, p), p) for name, p in named}
         module = self.model if self.reference is None else self.reference()
         reference = dict(module.named_parameters())
@@ -384,9 +223,70 @@ class StackRecorder:
                                         hypotheses=hypotheses, world_size=world.size,
                                         precision=self.precision, absum=absum, reference=plan.reference,
                                         reference_note=plan.note))
-        self.pending = []
+        self._done(indices)
+
+    def _done(self, indices: list[int]) -> None:
+        self.stepped_indices.update(indices)
+        self.pending, self._rng = [], []
         self._captured = True
         self._window_step = self.optimizer_steps
+
+    def _sampled(self, pending: list[tuple[int, Any]]) -> bool:
+        """Whether the sampled check judges this window: every ``every``-th optimizer step from the
+        first, and every window whose length differs from the one before (an epoch's short last
+        window, a data loader's change, the first window after either). Not judged: let go."""
+        step, length = self.optimizer_steps, len(pending)
+        why = "" if self._last_length is None or length == self._last_length else \
+            f"{length} micro-batches after windows of {self._last_length}"
+        self._last_length = length
+        if step % self.every == 0:
+            why = why or f"one step in {self.every}"
+        if why:
+            self.judged_why[step] = why
+            return True
+        self._done([i for i, _ in pending])
+        return False
+
+    def _capture_own_dtype(self, named: list[tuple[str, torch.Tensor]], pending: list[tuple[int, Any]]) -> None:
+        """The window judged as it is captured, its reference in the model's own dtype micro-batch by
+        micro-batch and in groups of tensors (``stacks.owndtype``); the random states put back after it."""
+        module = self.model if self.reference is None else self.reference()
+        reference = dict(module.named_parameters())
+        ref_named = [(name, reference[name]) for name, _ in named]
+        batches, indices = [b for _, b in pending], [i for i, _ in pending]
+        by_design = batch_level_modules(module)
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        found = rng_state()
+        if self.step_watch is not None:
+            self.step_watch.paused = True
+        try:
+            with torch.enable_grad():
+                with _dropout_free(module, self.every is not None):  # the probe compares rows: no random draws
+                    plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
+                                          self.join_window, by_design) \
+                        if len(batches) > 1 else ReferencePlan(True, "one micro-batch", (1.0,))
+                counts = [item_count(b, self.labelled) for b in batches]
+                predicted = [predicted_count(b) for b in batches]
+                window = StackWindow(step=self.optimizer_steps if self.every is not None else len(self.windows),
+                                     micro_batches=indices, applied={}, window={},
+                                     item_counts=None if None in counts else counts,
+                                     predicted_counts=None if None in predicted else predicted,
+                                     hypotheses=Hypotheses(takes_item_count=self.takes_item_count),
+                                     world_size=self.world.size, reference=plan.reference, reference_note=plan.note)
+                params = dict(named)
+                window.judged = self.own_dtype.step(window, module, ref_named,
+                                                    lambda name, _: self.applied_gradient(name, params[name]),
+                                                    batches, plan, self.window_loss, self.join_window, self.computed,
+                                                    self._rng if self.every is not None else None)
+        finally:
+            if self.step_watch is not None:
+                self.step_watch.paused = False
+            restore_rng(found)
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)
+        self.windows.append(window)
+        self._done(indices)
 
     def _gradients(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
                    batch: Any, scale: float = 1.0) -> tuple[Gradients, dict[str, Gradients]]:
@@ -439,6 +339,20 @@ class StackRecorder:
 
 
 Gradients = dict[str, np.ndarray]
+
+
+@contextlib.contextmanager
+def _dropout_free(module: torch.nn.Module, live: bool) -> Any:
+    """In a live run (``live``), ``module`` in eval mode while the block runs (its dropout off), its
+    modules' flags put back after."""
+    flags = [(m, m.training) for m in module.modules()] if live else []
+    if live:
+        module.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _grad(p: torch.Tensor) -> np.ndarray:

@@ -27,14 +27,28 @@ LR_INSIDE = "the learning rate a scheduler set inside the window"
 
 
 class _Start:
-    """The optimizer and its parameters as a window found them."""
+    """The optimizer and its parameters as a window found them: copies for the replay, or (``light``,
+    where nothing is replayed) only each parameter's fingerprint, to see it move."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, light: bool = False) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.data = {id(p): p.detach().clone() for p in params}
-        self.state = {id(p): {k: _copy(v) for k, v in optimizer.state[p].items()} for p in params
-                      if p in optimizer.state}
+        self.light = light
+        self.data = {id(p): _fingerprint(p) if light else p.detach().clone() for p in params}
+        self.state = {} if light else {id(p): {k: _copy(v) for k, v in optimizer.state[p].items()} for p in params
+                                       if p in optimizer.state}
         self.groups = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+    def moved(self, p: torch.Tensor) -> bool:
+        if self.light:
+            return not torch.equal(_fingerprint(p), self.data[id(p)])
+        return not torch.equal(_local(p.detach()), _local(self.data[id(p)]))
+
+
+def _fingerprint(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's sum and sum of squares in its dtype (no copy of it, at the speed of a read):
+    an update moves them but for one too small to change either sum's rounding."""
+    flat = _local(p.detach()).reshape(-1)
+    return torch.stack([flat.sum(), torch.dot(flat, flat)]) if flat.is_floating_point() else flat.clone()
 
 
 class StepWatch:
@@ -107,12 +121,12 @@ class StepWatch:
         self._seen += 1
         self._held += 1
         if self._start is None:
-            self._start = _Start(self.optimizer)
+            self._start = _Start(self.optimizer, light=not self.replay)
             return
         with torch.no_grad():
             for p in params:
                 name = self._name(p)
-                if name not in self._moved and not torch.equal(_local(p.detach()), _local(self._start.data[id(p)])):
+                if name not in self._moved and self._start.moved(p):
                     self._moved.add(name)
 
     def _name(self, p: torch.Tensor) -> str:

@@ -235,7 +235,7 @@ class Experts(torch.nn.Linear):
 
 
 def test_a_mixture_of_experts_runs_its_eager_experts_in_float64_and_is_put_back():
-    from accumcheck.torch.stacks.recorder import Float64Run
+    from accumcheck.torch.stacks.float64run import Float64Run
 
     model = Experts()
     with Float64Run(model):
@@ -248,7 +248,7 @@ def test_a_mixture_of_experts_runs_its_eager_experts_in_float64_and_is_put_back(
 
 
 def test_an_operation_without_float64_is_one_line_naming_it():
-    from accumcheck.torch.stacks.recorder import float64_kernel_error
+    from accumcheck.torch.stacks.float64run import float64_kernel_error
 
     assert float64_kernel_error(RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"))
     assert float64_kernel_error(RuntimeError('"addmm_impl_cpu_" not implemented for \'Double\''))

@@ -1,0 +1,229 @@
+"""The reference in the model's own dtype, for a stack check that must fit beside the training run:
+under a memory budget that a float64 copy of the model does not fit, and in the sampled check that
+stays on in the user's real run.
+
+The window's reference is computed micro-batch by micro-batch (``stacks.reference``: only where
+the loss is shown to be a mean over the window's items), each micro-batch's weighted loss
+differentiated in the model's dtype with ``torch.autograd.grad`` (the stack's ``.grad`` is not
+touched), and summed in float64. Against the gradient the stack applies, the two differ by the
+round-off of two float32 (or lower) computations of the same micro-gradients and of the stack's
+sum over them, which the step's precision bound allows for (``judge.stack.precision_fit``, with
+the reference's dtype counted).
+
+The tensors are taken in groups (``run.budget.plan``) whose float64 sums fit the budget: each
+group's pass runs the window's micro-batches again and is judged and freed before the next, so the
+check holds one group's sums beside the run. A float64 copy is used instead wherever it fits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ...errors import AccumcheckError
+from ...files import size_text
+from ...judge.stack import judge_groups, judge_window
+from ...options.values import byte_count
+from ...report import StackStep
+from ...run.budget import ALLOCATOR, FIXED_BYTES, TensorNeed, minimum, plan
+from ...run.results import Hypotheses, StackWindow, StepPrecision
+from ..casemodel import to_numpy
+from .reference import ReferencePlan
+
+# Per element of a tensor while its group runs: the float64 sum F over the window's micro-batches,
+# and A read into float64 where the group is judged (the judge's factor fit holds the group's A in
+# float64 at once); the micro-gradient in the parameter's own dtype while it is added is counted on
+# top. ||S||, the round-off's scale, is kept as a number per tensor (a sum of norms), not per element.
+SUMS_BYTES = 8 + 8
+# The judge's temporaries per element of the tensor it is judging (|A - F|, A - cF, in float64).
+JUDGE_BYTES = 16
+# Per element of the float64 check (``recorder.Float64Run``): the parameter and its gradient in
+# float64 beside the run's own, A and F on the host, and each optimizer state tensor in float64
+# (the run's copy and the step's replay from the window's start).
+FLOAT64_PARAMETER_BYTES = 8 + 8 + 8 + 8
+FLOAT64_STATE_BYTES = 8 + 8
+
+
+def float64_need(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """What the float64 check holds beside the run (the activations of the float64 forward apart):
+    FIXED_BYTES and, per parameter element, FLOAT64_PARAMETER_BYTES, per optimizer state element
+    FLOAT64_STATE_BYTES (an optimizer with no state yet is counted as AdamW: two per parameter)."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    inner = [getattr(o, "optimizer", o) for o in optimizers if o is not None]
+    state = sum(v.numel() for o in inner for s in getattr(o, "state", {}).values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0)
+    if not state:  # a fresh (or not yet made) optimizer: AdamW's two moments per parameter appear at its first step
+        state = 2 * params
+    return FIXED_BYTES + params * FLOAT64_PARAMETER_BYTES + state * FLOAT64_STATE_BYTES
+
+
+def budgeted(memory_budget: Any, model: torch.nn.Module, optimizers: list[Any], accum_steps: Callable[[int], int],
+             who: str) -> OwnDtypeReference | None:
+    """A stack check's ``memory_budget``: None where none was given or the float64 check fits it
+    (``float64_need``), else the own-dtype reference planned in groups within it. Raises
+    AccumcheckError (one line) for a value that is not a number of bytes, and for a budget that
+    even the largest tensor's sums alone do not fit, naming the least that would."""
+    if memory_budget is None:
+        return None
+    try:
+        budget = byte_count(memory_budget)
+    except ValueError as exc:
+        raise AccumcheckError(f"{who}: memory_budget: {exc}") from None
+    if float64_need(model, optimizers) <= budget:
+        return None
+    own = OwnDtypeReference(budget, accum_steps, who)
+    own.plan([(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    return own
+
+
+def sampled_reference(memory_budget: Any, model: torch.nn.Module, accum_steps: Callable[[int], int],
+                      who: str) -> OwnDtypeReference:
+    """The sampled check's reference: always in the model's own dtype, within ``memory_budget``
+    where one is given (planned now, so a budget too small is refused before the run)."""
+    budget = None
+    if memory_budget is not None:
+        try:
+            budget = byte_count(memory_budget)
+        except ValueError as exc:
+            raise AccumcheckError(f"{who}: memory_budget: {exc}") from None
+    own = OwnDtypeReference(budget, accum_steps, who)
+    own.plan([(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    return own
+
+
+def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizers: list[Any],
+                sampled: bool = False) -> str:
+    """How a report says what its memory budget chose."""
+    if own is None or own.budget is None:
+        return ""
+    groups = len(own.groups or ())
+    if sampled:
+        return (f"memory budget {size_text(own.budget)}: each judged window's reference in {groups} "
+                f"group{'s' * (groups != 1)} of tensors")
+    return (f"memory budget {size_text(own.budget)}: a float64 copy of the model and its optimizer state needs "
+            f"{size_text(float64_need(model, optimizers))}, so each window's reference is computed in the model's "
+            f"own dtype micro-batch by micro-batch and summed in float64, in {groups} group{'s' * (groups != 1)} of "
+            "tensors, and judged within the round-off of both dtypes (the bound each step states); the update's "
+            "replay in float64 is off, its counts are kept")
+
+
+def tensor_needs(named: list[tuple[str, torch.Tensor]]) -> list[TensorNeed]:
+    """What each tensor's group holds beside the run (``run.budget``)."""
+    return [TensorNeed(name, math.ceil(p.numel() * (SUMS_BYTES + p.element_size()) * ALLOCATOR),
+                       p.numel() * JUDGE_BYTES) for name, p in named]
+
+
+class OwnDtypeReference:
+    """The windows' references in the model's own dtype, in groups of tensors within ``budget``
+    bytes (None: one group), each window judged as it is captured (``judge_window``), so nothing
+    of its size is kept. ``accum_steps()`` is the stack's N where the window is judged."""
+
+    def __init__(self, budget: int | None, accum_steps: Callable[[int], int], who: str) -> None:
+        self.budget = budget
+        self.accum_steps = accum_steps
+        self.who = who
+        self.groups: list[list[str]] | None = None
+
+    def plan(self, named: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
+        """The groups of tensors, planned once; AccumcheckError (one line, the least budget that
+        would do) where the largest tensor alone does not fit."""
+        if self.groups is None:
+            self.groups = plan(tensor_needs(named), self.budget, f"{self.who}: memory_budget")
+        return self.groups
+
+    def step(self, window: StackWindow, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
+             applied_gradient: Callable[[str, Any], torch.Tensor | None], batches: list[Any], plan_: ReferencePlan,
+             window_loss: Callable[[Any, Any], Any], join: Callable[[list[Any]], Any], computed: str,
+             rng_states: list[Any] | None = None) -> StackStep:
+        """The window judged in groups: each group's F and S from the micro-batches (``plan_``'s
+        weights), its A read from the stack, judged and dropped before the next group runs."""
+        if not plan_.split:
+            raise AccumcheckError(f"{self.who}: the window's reference cannot be computed micro-batch by micro-batch "
+                                  f"({plan_.note}), and the window as one batch holds all its micro-batches' "
+                                  "activations at once, beyond any memory budget; run the check without "
+                                  "memory_budget (or on fewer micro-batches per window)")
+        groups = self.plan(named)
+        dtype = _dtype_name(named)
+        steps = []
+        for group in groups:
+            wanted = set(group)
+            params = [(name, p) for name, p in named if name in wanted]
+            sums, norms = _sums(window_loss, module, params, batches, plan_.weights, join, rng_states)
+            applied = {name: _host(applied_gradient(name, p), p) for name, p in params}
+            part = StackWindow(step=window.step, micro_batches=window.micro_batches, applied=applied, window=sums,
+                               item_counts=window.item_counts, predicted_counts=window.predicted_counts,
+                               hypotheses=Hypotheses(takes_item_count=window.hypotheses.takes_item_count),
+                               world_size=window.world_size,
+                               precision=StepPrecision(accumulation=_grad_dtype(params, dtype), reduction=dtype,
+                                                       computed=computed, reference=computed),
+                               scale_norm=math.sqrt(sum(n * n for n in norms.values())),
+                               reference=window.reference, reference_note=window.reference_note)
+            steps.append(judge_window(part, self.accum_steps(len(window.micro_batches))))
+            del part, sums, applied
+        note = f"computed in {computed}" + (
+            f"; judged in {len(groups)} group{'s' * (len(groups) != 1)} of tensors within the memory budget of "
+            f"{size_text(self.budget)}" if self.budget is not None else "")
+        return judge_groups(steps, note)
+
+
+def least_budget(named: list[tuple[str, torch.Tensor]]) -> int:
+    """The smallest budget the own-dtype reference fits (``run.budget.minimum``)."""
+    return max(minimum(tensor_needs(named)), FIXED_BYTES)
+
+
+def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, params: list[tuple[str, torch.Tensor]],
+          batches: list[Any], weights: tuple[float, ...], join: Callable[[list[Any]], Any],
+          rng_states: list[Any] | None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """F = sum_b w_b grad(loss_b) over ``params``, float64 on the host, and per tensor the sum over
+    the micro-batches of ||w_b grad(loss_b)||, a bound on the norm of S = sum_b |w_b grad(loss_b)|."""
+    sums = {name: np.zeros(tuple(p.shape)) for name, p in params}
+    norms = {name: 0.0 for name, _ in params}
+    tensors = [p for _, p in params]
+    for i, (batch, w) in enumerate(zip(batches, weights)):
+        if rng_states is not None:  # the random draws (dropout) the stack's own pass of this micro-batch made
+            _set_rng(rng_states[i])
+        found = window_loss(module, join([batch]))
+        loss = found[0] if isinstance(found, tuple) else found
+        grads = torch.autograd.grad(loss * w, tensors, allow_unused=True)
+        for (name, _), g in zip(params, grads):
+            if g is not None:
+                sums[name] += to_numpy(g.detach())  # added into float64 element by element, no copy
+                norms[name] += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
+        del loss, found, grads
+    return sums, norms
+
+
+def rng_state() -> tuple[Any, Any]:
+    """torch's random states now (the CPU's, and every CUDA device's where CUDA is in use)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: tuple[Any, Any]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def restore_rng(state: tuple[Any, Any]) -> None:
+    """torch's random states set back to ``state`` (``rng_state``)."""
+    _set_rng(state)
+
+
+def _host(grad: torch.Tensor | None, p: torch.Tensor) -> np.ndarray:
+    """The applied gradient as it is (a view where it is on the host), float64 only where the judge reads it."""
+    return np.zeros(tuple(p.shape)) if grad is None else to_numpy(grad.detach())
+
+
+def _dtype_name(named: list[tuple[str, torch.Tensor]]) -> str:
+    """The least precise floating dtype of the parameters (the one whose round-off bounds the step)."""
+    dtypes = {p.dtype for _, p in named if p.is_floating_point()}
+    return str(max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)).removeprefix("torch.")
+
+
+def _grad_dtype(params: list[tuple[str, torch.Tensor]], fallback: str) -> str:
+    dtypes = {p.grad.dtype for _, p in params if p.grad is not None}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else fallback

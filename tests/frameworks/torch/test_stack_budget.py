@@ -1,0 +1,344 @@
+"""Stack checks that fit beside the run (accumcheck.torch.stacks.owndtype): ``memory_budget=``, under
+which a window's reference is computed in the model's own dtype micro-batch by micro-batch, summed
+in float64, in groups of tensors, and the sampled check (``transformers.watch``) that stays on in a
+real run and judges one window in K and every window of a new length.
+
+Positive controls: correct Trainer, loop and Lightning runs are faithful under a budget, in one group
+and in many, and the sampled check of a correct run with dropout on is faithful at every judged step
+and leaves the training bit for bit as it is without it. Negative controls: the known faults stay
+flagged under a budget (the loss not divided by N, a head that ignores num_items_in_batch), and a
+compute_loss that divides by gradient_accumulation_steps, which only an epoch's short last window
+shows, is caught there by the sampled check. What cannot fit is refused in one line naming the least
+budget that would.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import tracemalloc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_stack_reference import N, TokenLM, run_classifier, token_batches  # noqa: E402
+
+from accumcheck.bounds import UNIT_ROUNDOFF  # noqa: E402
+from accumcheck.errors import AccumcheckError, NothingJudgedError  # noqa: E402
+from accumcheck.judge.stack import judge_groups, judge_window, precision_fit  # noqa: E402
+from accumcheck.report.stack import SPLIT  # noqa: E402
+from accumcheck.run.budget import FIXED_BYTES  # noqa: E402
+from accumcheck.run.results import StackWindow, StepPrecision  # noqa: E402
+from accumcheck.torch import AccumulationCheck  # noqa: E402
+from accumcheck.torch.loopcheck import replica_fits  # noqa: E402
+from accumcheck.torch.stacks import owndtype  # noqa: E402
+
+TIGHT = FIXED_BYTES + 4096  # room for the sums of a few of TokenLM's tensors at a time
+
+
+def budget_loop(budget, fault=None, windows=3, seed=1):
+    """test_stack_reference's loop over N-micro-batch windows under ``memory_budget``."""
+    model = TokenLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = token_batches(N * windows, variable=fault is None, seed=seed)  # the fault's on equal micro-batches
+    items = [sum(int((b["labels"] != -100).sum()) for b in data[w * N:(w + 1) * N]) for w in range(windows)]
+    check = AccumulationCheck(model, opt, memory_budget=budget)
+    with check:
+        for i, batch in enumerate(check.batches(data)):
+            if fault is None:
+                loss = model(**batch, num_items_in_batch=items[i // N])["loss"]
+            else:
+                loss = model(**batch)["loss"]  # each micro-batch's own mean, not divided by N: N x the window's
+            loss.backward()
+            if (i + 1) % N == 0:
+                opt.step()
+                opt.zero_grad()
+    return model, opt, check.report
+
+
+def test_a_correct_loop_under_a_budget_is_faithful_in_its_own_dtype_within_the_stated_bound():
+    _, _, report = budget_loop(owndtype.float64_need(TokenLM(), []) - 1)
+    assert [s.verdict for s in report.steps] == ["faithful"] * 3 and report.exit_code == 0
+    assert report.reference_dtype == "float32" and {s.reference for s in report.steps} == {SPLIT}
+    for s in report.steps:  # float32 round-off, and the bound names the reference's own dtype too
+        assert 0 < s.precision.error <= s.precision.float32_bound
+        assert s.precision.bound > 8 * 2 * UNIT_ROUNDOFF["float32"]
+    assert any(n.startswith("memory budget") and "in 1 group of tensors" in n for n in report.notes)
+
+
+def test_in_groups_the_verdict_and_every_tensors_factor_are_those_of_one_group():
+    _, _, whole = budget_loop(owndtype.float64_need(TokenLM(), []) - 1, fault="not-divided")
+    _, _, grouped = budget_loop(TIGHT, fault="not-divided")
+    assert any("in 4 groups" in n or "groups of tensors" in n for n in grouped.notes)
+    assert "judged in" in grouped.steps[0].reference_note
+    for a, b in zip(whole.steps, grouped.steps):
+        assert (a.verdict, a.result.matches) == (b.verdict, b.result.matches) == ("constant-factor", "N")
+        assert set(a.result.tensor_factors) == set(b.result.tensor_factors) == {"emb.weight", "head.weight",
+                                                                                "head.bias"}
+
+
+def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it():
+    """numpy's allocations (the sums F and S, the applied gradient read into float64) are what the
+    check holds beside the run; tracemalloc sees them. In groups their peak stays within the budget
+    less the code's share; in one group it is that of every tensor at once."""
+    peaks = {}
+    for name, budget in (("one group", None), ("tight", TIGHT)):
+        tracemalloc.start()
+        if budget is None:
+            budget_loop(owndtype.float64_need(TokenLM(), []) - 1)
+        else:
+            budget_loop(budget)
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["tight"] < peaks["one group"]
+    sizes = [n.held + n.judging for n in owndtype.tensor_needs(list(TokenLM().named_parameters()))]
+    assert max(sizes) <= TIGHT - FIXED_BYTES < sum(sizes)  # the budget forces groups
+
+
+def test_the_model_optimizer_and_random_states_are_left_as_found_under_a_budget():
+    model = TokenLM()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    data = token_batches(N)
+    model(**data[0])["loss"].backward()
+    opt.step()
+    before = copy.deepcopy((model.state_dict(), opt.state_dict(), [p.grad for p in model.parameters()]))
+    rng = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    check = AccumulationCheck(model, opt, memory_budget=TIGHT)
+    with check:
+        for batch in check.batches(data):
+            (model(**batch)["loss"] / N).backward()
+        opt.step()
+        opt.zero_grad()
+    assert check.report.exit_code in (0, 1)
+    after = (model.state_dict(), opt.state_dict(), [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(before[0].values(), after[0].values()))
+    assert all(torch.equal(a, b) for a, b in zip(before[2], after[2]))
+    assert str(before[1]) == str(after[1])
+    assert torch.equal(rng[0], torch.get_rng_state()) and np.array_equal(rng[1], np.random.get_state()[1])
+    assert rng[2] == random.getstate()
+
+
+def test_a_budget_too_small_is_refused_in_one_line_with_the_least_that_would_do():
+    least = owndtype.least_budget(list(TokenLM().named_parameters()))
+    with pytest.raises(AccumcheckError, match=rf"give at least {least} ") as found:
+        AccumulationCheck(TokenLM(), torch.optim.SGD(TokenLM().parameters(), lr=0.1), memory_budget=FIXED_BYTES)
+    assert "\n" not in str(found.value)
+    AccumulationCheck(TokenLM(), torch.optim.SGD(TokenLM().parameters(), lr=0.1), memory_budget=least)
+    with pytest.raises(AccumcheckError, match="memory_budget: "):
+        AccumulationCheck(TokenLM(), torch.optim.SGD(TokenLM().parameters(), lr=0.1), memory_budget="lots")
+
+
+def test_a_replica_a_data_parallel_check_needs_is_refused_below_its_size():
+    model = TokenLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    need = owndtype.float64_need(model, [opt])
+    replica_fits(need, model, opt, "check")
+    with pytest.raises(AccumcheckError, match=rf"float64 replica .* give at least {need} "):
+        replica_fits(need - 1, model, opt, "check")
+
+
+def test_a_window_that_cannot_be_split_is_refused_under_a_budget():
+    """BatchNorm computes over the batch: the window as one batch holds every micro-batch's activations."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(N * 3, 4), torch.randint(0, 3, (N * 3,))
+    check = AccumulationCheck(net, opt, loss_fn=torch.nn.functional.cross_entropy,
+                              memory_budget=owndtype.float64_need(net, [opt]) - 1)
+    with pytest.raises(AccumcheckError, match="BatchNorm1d '1' computes over the batch.*beyond any memory budget"):
+        with check:
+            for xb, yb in check.batches(zip(x.split(3), y.split(3))):
+                (torch.nn.functional.cross_entropy(net(xb), yb) / N).backward()
+            opt.step()
+    assert run_classifier  # the joined-window controls of this model live in test_stack_reference
+
+
+def test_groups_judged_apart_read_as_the_window_judged_whole():
+    """judge_groups: a window cut into its tensors' groups has the verdict of the whole, and its
+    round-off error is at most the largest group's."""
+    rng = np.random.default_rng(0)
+    full = {f"t{i}": rng.normal(size=(5, 3)) for i in range(4)}
+    for scale in (1.0, 4.0):
+        applied = {k: v * scale * (1 + 1e-7 * rng.normal(size=v.shape)) for k, v in full.items()}
+        absum = {k: np.abs(v) * 1.5 for k, v in full.items()}
+
+        def window(names):
+            return StackWindow(step=0, micro_batches=list(range(N)), applied={k: applied[k] for k in names},
+                               window={k: full[k] for k in names}, absum={k: absum[k] for k in names},
+                               precision=StepPrecision(reference="float32"))
+
+        whole = judge_window(window(list(full)), N)
+        grouped = judge_groups([judge_window(window(["t0", "t1"]), N), judge_window(window(["t2", "t3"]), N)], "g")
+        assert whole.verdict == grouped.verdict == ("faithful" if scale == 1.0 else "constant-factor")
+        assert set(grouped.result.tensor_factors) == set(full)
+        if scale == 1.0:
+            assert precision_fit(window(list(full)), N).error <= grouped.precision.error
+
+
+def test_the_bound_counts_a_reference_computed_below_float64():
+    w = StackWindow(step=0, micro_batches=[0, 1], applied={"a": np.ones(3)}, window={"a": np.ones(3)},
+                    absum={"a": np.ones(3)}, precision=StepPrecision())
+    own = StackWindow(step=0, micro_batches=[0, 1], applied={"a": np.ones(3)}, window={"a": np.ones(3)},
+                      absum={"a": np.ones(3)}, precision=StepPrecision(reference="float32"))
+    assert precision_fit(own, 2).bound == pytest.approx(precision_fit(w, 2).bound + 8 * UNIT_ROUNDOFF["float32"])
+
+
+# ----------------------------------------------------------------- the Hugging Face Trainer
+
+
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import test_transformers_models as models
+    import test_transformers_stack as stack
+
+    return models, stack
+
+
+def test_a_trainer_under_a_budget_is_faithful_and_its_faults_are_still_named(tmp_path, hf):
+    from accumcheck.integrations.transformers import check
+
+    models, stack = hf
+    trainer = stack.trainer_for(tmp_path / "a")
+    report = check(trainer, steps=3, memory_budget=owndtype.float64_need(trainer.model, []) - 1)
+    assert [s.verdict for s in report.steps] == ["faithful"] * 3 and report.reference_dtype == "float32"
+    assert "memory_budget=" in report.reproduce
+    torch.manual_seed(0)
+    trainer = models.trainer_for(tmp_path / "b", models.KwargsBert(models.bert_config(num_labels=3)),
+                                 models.sentences(14, label=True))
+    flagged = check(trainer, memory_budget=owndtype.float64_need(trainer.model, []) - 1)
+    assert [(s.verdict, s.result.matches) for s in flagged.steps] == [("constant-factor", "N"),
+                                                                      ("constant-factor", "k")]
+
+
+def fixed_length(count, n=12, seed=0):
+    """Sequences of one length: every micro-batch holds as many predicted tokens as the next."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, 64, (n,), generator=gen).tolist()
+        out.append({"input_ids": ids, "attention_mask": [1] * n, "labels": [-100] + ids[1:]})
+    return out
+
+
+def with_dropout(model, rate=0.1):
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = rate
+    return model
+
+
+def dividing_by_n(transformers):
+    class DividesByN(transformers.Trainer):
+        """A compute_loss that divides its micro-batch's mean by gradient_accumulation_steps: right
+        for a full window of equal micro-batches, k/N of it in an epoch's short last window."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss / self.args.gradient_accumulation_steps
+
+    return DividesByN
+
+
+def sampled_run(tmp_path, stack, kind=None, watched=True, every=3):
+    """Two epochs of 22 micro-batches each (5 windows of 4 and a last of 2), dropout on."""
+    from accumcheck.integrations.transformers import watch
+
+    torch.manual_seed(0)
+    model = with_dropout(stack.tiny_llama())
+    trainer = stack.trainer_for(tmp_path, model=model, data=fixed_length(44), kind=kind, num_train_epochs=2)
+    if not watched:
+        trainer.train()
+        return model, None
+    with watch(trainer, every=every) as sampled:
+        trainer.train()
+    return model, sampled.report
+
+
+def test_the_sampled_check_judges_one_window_in_k_and_every_new_length_and_leaves_the_run_untouched(tmp_path, hf):
+    _, stack = hf
+    plain, _ = sampled_run(tmp_path / "plain", stack, watched=False)
+    model, report = sampled_run(tmp_path / "watched", stack)
+    assert [(s.step, len(s.micro_batches)) for s in report.steps] == [(0, 4), (3, 4), (5, 2), (6, 4), (9, 4), (11, 2)]
+    assert [s.verdict for s in report.steps] == ["faithful"] * 6 and report.exit_code == 0
+    assert report.unstepped == [] and report.micro_batches_seen == 44
+    assert any("6 of 12 optimizer steps judged" in n for n in report.notes)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_fault_only_a_short_last_window_shows_is_caught_by_the_sampled_check(tmp_path, hf):
+    _, stack = hf
+    _, report = sampled_run(tmp_path, stack, kind=dividing_by_n(stack.transformers), every=100)
+    assert [(s.step, s.verdict) for s in report.steps] == [(0, "faithful"), (5, "constant-factor"),
+                                                           (6, "faithful"), (11, "constant-factor")]
+    assert {s.result.matches for s in report.steps if s.verdict != "faithful"} == {"k/N"}
+    assert report.exit_code == 1
+
+
+def test_the_runs_own_dropout_is_what_the_reference_replays(tmp_path, hf, monkeypatch):
+    """Without the random states of each micro-batch's own pass, dropout draws other masks and a
+    correct run reads as flagged: the replay is what makes the live reference right."""
+    _, stack = hf
+    monkeypatch.setattr(owndtype, "_set_rng", lambda state: None)
+    _, report = sampled_run(tmp_path, stack, every=100)
+    assert report.exit_code == 1
+
+
+def test_a_sampled_check_of_a_run_that_fed_nothing_passes_nothing(tmp_path, hf):
+    from accumcheck.integrations.transformers import watch
+
+    _, stack = hf
+    trainer = stack.trainer_for(tmp_path)
+    with pytest.raises(AccumcheckError, match="every must be a positive integer"):
+        watch(trainer, every=0)
+    with watch(trainer, every=10) as sampled:
+        pass
+    with pytest.raises(NothingJudgedError):
+        sampled.report
+
+
+# ----------------------------------------------------------------- Lightning
+
+
+def test_a_lightning_fit_under_a_budget_is_faithful_in_its_own_dtype():
+    pytest.importorskip("lightning.pytorch")
+    import test_lightning_stack as lit
+    from zoo import lm_batches
+
+    from accumcheck.integrations.lightning import AccumulationCheck as LightningCheck
+
+    module = lit.LitLM()
+    report = lit.fit(module, lm_batches(2 * lit.N), LightningCheck(memory_budget=TIGHT))
+    assert [s.verdict for s in report.steps] == ["faithful"] * 2 and report.reference_dtype == "float32"
+    assert "memory_budget=" in report.reproduce
+
+
+def test_a_model_that_runs_in_its_own_dtypes_is_put_back_after_the_check(tmp_path):
+    """A data-parallel model runs in its own dtypes and its optimizer steps its very tensors: the
+    weights, the optimizer's state and the gradients are put back from what was kept at the start."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(2, 3)).sum().backward()
+        before = copy.deepcopy((model.state_dict(), [p.grad for p in model.parameters()]))
+        data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(4)]
+        check = AccumulationCheck(ddp, opt, loss_fn=torch.nn.functional.mse_loss)
+        with check:
+            for i, (x, y) in enumerate(check.batches(data)):
+                (torch.nn.functional.mse_loss(ddp(x), y) / 2).backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+        assert [s.verdict for s in check.report.steps] == ["faithful"] * 2
+        assert all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
+        assert all(torch.equal(a, p.grad) for a, p in zip(before[1], model.parameters()))
+        assert len(opt.state) == 0  # the state the check's steps made is gone
+    finally:
+        dist.destroy_process_group()
