@@ -66,12 +66,12 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  loss_fn: Callable[..., Any] | None = None, step: Callable[[Any, Any], Any] | None = None,
                  steps: int | None = None, scheduler: Any = None, reference: str = "auto",
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, every: int | None = None) -> None:
         accelerate = stack_library("accelerate", "Hugging Face accelerate")
         if not isinstance(accelerator, accelerate.Accelerator):
             raise AccumcheckError(f"accelerate.AccumulationCheck: expected an accelerate.Accelerator, got "
                                   f"{type(accelerator).__name__}")
-        super().__init__(model, optimizer, loss_fn, step, steps, scheduler, reference, memory_budget)
+        super().__init__(model, optimizer, loss_fn, step, steps, scheduler, reference, memory_budget, every)
         self.accelerator = accelerator
         self.version = accelerate.__version__
 
@@ -96,7 +96,8 @@ class AccumulationCheck(loopcheck.AccumulationCheck):
                 accelerator.__dict__.pop(name, None)
         finally:
             super().__exit__(*exc)
-            accelerator.step, state.sync_gradients, state.dataloader_references = self._accelerator_state
+            if self.every is None:  # the check's own steps; a sampled check's run is the user's
+                accelerator.step, state.sync_gradients, state.dataloader_references = self._accelerator_state
 
     def _stepping(self) -> bool:
         return bool(self.accelerator.sync_gradients)  # a clip on a micro-step that does not sync is no step's

@@ -41,8 +41,15 @@ try:
     from ..run.results import StepPrecision
     from ..torch.loopcheck import replica_fits
     from ..torch.stacks.cases import FAULTS, RANK_FAULTS, CaseLM, case_batches, window_items
-    from ..torch.stacks.float64run import Float64Run, float64_copy, float64_leaves, refresh_copy
-    from ..torch.stacks.owndtype import OwnDtypeReference, budget_note, budgeted
+    from ..torch.stacks.float64run import Float64Run, LiveRun, float64_copy, float64_leaves, refresh_copy
+    from ..torch.stacks.owndtype import (
+        OwnDtypeReference,
+        budget_note,
+        budgeted,
+        checked_every,
+        sampled_note,
+        sampled_reference,
+    )
     from ..torch.stacks.recorder import StackRecorder
     from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
@@ -55,10 +62,12 @@ class AccumulationCheck(pl.Callback):
     optimizer steps; ``loss(module, batch)`` replaces ``training_step`` as the loss of the window
     as one batch; ``reference`` ("auto", "joined", "micro-batches") as for
     ``accumcheck.torch.AccumulationCheck``. ``report`` is the StackReport once the fit has ended (or
-    raised); it raises NothingJudgedError for a fit in which nothing was judged."""
+    raised); it raises NothingJudgedError for a fit in which nothing was judged. ``memory_budget``
+    and ``every`` (the sampled check of your real fit, one process) as for
+    ``accumcheck.torch.AccumulationCheck``."""
 
     def __init__(self, steps: int | None = None, loss: Callable[[Any, Any], Any] | None = None,
-                 reference: str = "auto", memory_budget: int | str | None = None) -> None:
+                 reference: str = "auto", memory_budget: int | str | None = None, every: int | None = None) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise AccumcheckError(f"lightning.AccumulationCheck: steps must be a positive integer, got {steps!r}")
         if loss is not None and not callable(loss):
@@ -67,6 +76,7 @@ class AccumulationCheck(pl.Callback):
         self.steps, self.loss = steps, loss
         self.window_reference = reference_choice(reference, "lightning.AccumulationCheck")
         self.memory_budget = memory_budget
+        self.every = checked_every(every, "lightning.AccumulationCheck")
         self._own: OwnDtypeReference | None = None
         self.recorder: StackRecorder | None = None
         self._run: Float64Run | None = None
@@ -92,7 +102,12 @@ class AccumulationCheck(pl.Callback):
         World.current().meet("lightning.AccumulationCheck")  # a rank without the callback: named, not waited for
         self._copy = None
         who = "lightning.AccumulationCheck"
-        if parallel:
+        if self.every is not None and parallel:
+            raise AccumcheckError(f"{who}: every= (the sampled check) runs in one process; check a data-parallel fit "
+                                  "without it")
+        if self.every is not None:
+            self._own = sampled_reference(self.memory_budget, pl_module, lambda k: trainer.accumulate_grad_batches, who)
+        elif parallel:
             replica_fits(self.memory_budget, pl_module, next(iter(trainer.optimizers), None), who)
         else:
             self._own = budgeted(self.memory_budget, pl_module, list(trainer.optimizers),
@@ -100,12 +115,13 @@ class AccumulationCheck(pl.Callback):
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
                                       reference=self._reference if parallel else None,
                                       precision=StepPrecision() if parallel else None,
-                                      window_reference=self.window_reference, own_dtype=self._own)
+                                      window_reference=self.window_reference, own_dtype=self._own, every=self.every)
         self._report, self._ended = None, None
-        self._run = Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel and self._own is None,
-                               on_disk=self._own is not None)
+        self._run = LiveRun() if self.every is not None else \
+            Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel and self._own is None,
+                       on_disk=self._own is not None)
         self._run.__enter__()
-        if trainer.optimizers:
+        if trainer.optimizers and self.every is None:
             self.recorder.watch_updates(trainer.optimizers[0], replay=self._own is None)
         self._strategy = trainer.strategy
         if not parallel and self._own is None:
@@ -195,15 +211,19 @@ class AccumulationCheck(pl.Callback):
                         "of it; the module, its optimizers and the random states were put back after the fit")
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
-        notes += [note for note in (budget_note(self._own, self._module, []),) if note]
-        budget = "" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}"
+        if self.every is not None:
+            notes[1] = sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every, "the fit trained as written")
+        notes += [note for note in (budget_note(self._own, self._module, [], sampled=self.every is not None),) if note]
+        budget = ("" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}") + \
+            ("" if self.every is None else f", every={self.every}")
         return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen_everywhere,
                             {"lightning": pl.__version__, "torch": torch.__version__}, notes,
                             reproduce=f"accumcheck.integrations.lightning.AccumulationCheck(steps={self.steps}"
                                       f"{reference_keyword(self.window_reference)}{budget}) among the Trainer's callbacks",
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
-                            reference_dtype="float64" if self._own is None else recorder.computed)
+                            reference_dtype="float64" if self._own is None else recorder.computed,
+                            stepped=recorder.stepped_indices if self.every is not None else None)
 
 
 def _idle_fix(trainer: Any) -> str:

@@ -40,7 +40,7 @@ try:
     from ..torch.stacks.batches import join_paired
     from ..torch.stacks.cases import CaseLM, case_examples
     from ..torch.stacks.float64run import Float64Run, float64_kernel_error, stack_library
-    from ..torch.stacks.owndtype import budget_note, budgeted, sampled_reference
+    from ..torch.stacks.owndtype import budget_note, budgeted, checked_every, sampled_note, sampled_reference
     from ..torch.stacks.recorder import StackRecorder
     from ..torch.stacks.reference import reference_choice, reference_keyword
     from ..torch.stacks.world import World
@@ -196,8 +196,7 @@ class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sample
         transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
         if not isinstance(trainer, transformers.Trainer):
             raise AccumcheckError(f"transformers.watch: expected a transformers.Trainer, got {type(trainer).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise AccumcheckError(f"transformers.watch: every must be a positive integer, got {every!r}")
+        checked_every(every, "transformers.watch")
         self.trainer, self.every = trainer, every
         model = trainer.model
         own = sampled_reference(memory_budget, model, lambda k: trainer.args.gradient_accumulation_steps,
@@ -227,10 +226,8 @@ class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sample
         """The steps judged so far (StackReport; NothingJudgedError where the run fed nothing)."""
         transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
         recorder, args = self.recorder, self.trainer.args
-        judged = ", ".join(f"{step} ({why})" for step, why in recorder.judged_why.items())
-        notes = [f"sampled in your run: {len(recorder.windows)} of {recorder.optimizer_steps} optimizer steps judged, "
-                 f"one in {self.every} and every window of a new length (steps {judged or 'none'}); the Trainer "
-                 "trained as configured, its dropout replayed for the reference", budget_note(
+        notes = [sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every,
+                              "the Trainer trained as configured"), budget_note(
                      recorder.own_dtype, self.trainer.model, [self.trainer.optimizer], sampled=True)]
         coverage = recorder.coverage("transformers.watch", "the Trainer's training_step",
                                      "let the Trainer's own loop feed its micro-batches", "the Trainer", _idle_fix(args))

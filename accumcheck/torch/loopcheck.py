@@ -41,8 +41,8 @@ from ..judge.stack import stack_report
 from ..options.values import byte_count
 from ..report import StackReport
 from ..run.results import StepPrecision
-from .stacks.float64run import Float64Run, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
-from .stacks.owndtype import budget_note, budgeted, float64_need
+from .stacks.float64run import Float64Run, LiveRun, float64_copy, float64_leaves, innermost_optimizer, refresh_copy
+from .stacks.owndtype import budget_note, budgeted, checked_every, float64_need, sampled_note, sampled_reference
 from .stacks.recorder import StackRecorder
 from .stacks.reference import reference_choice, reference_keyword
 from .stacks.world import World
@@ -62,7 +62,14 @@ class AccumulationCheck:
     reference micro-batch by micro-batch (one micro-batch's activations) where the loss is shown to
     be a mean over the window's items, else on the window as one batch; "joined" always on the
     window as one batch; "micro-batches" raises where a window cannot be split. ``report`` is the StackReport once the
-    ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged."""
+    ``with`` block is left; it raises NothingJudgedError for a block in which nothing was judged.
+
+    ``memory_budget`` (bytes, or a text such as "2G"): where a float64 copy of the model and its
+    optimizer state does not fit, each window's reference is computed in the model's own dtype
+    micro-batch by micro-batch, summed in float64, in groups of tensors within it
+    (``stacks.owndtype``). ``every=K``: the sampled check of your real run, which it leaves as it
+    trains (nothing put back): one window in K and every window of a new length judged, beside the
+    run in the model's own dtype with the run's own dropout draws (one process)."""
 
     who = "accumcheck.torch.AccumulationCheck"
     restored = "model, optimizer and random states"  # what the report says was put back
@@ -73,7 +80,8 @@ class AccumulationCheck:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[Any, Any], Any] | None = None, steps: int | None = None,
-                 scheduler: Any = None, reference: str = "auto", memory_budget: int | str | None = None) -> None:
+                 scheduler: Any = None, reference: str = "auto", memory_budget: int | str | None = None,
+                 every: int | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise AccumcheckError(f"{self.who}: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_fn is not None and step is not None:
@@ -94,16 +102,24 @@ class AccumulationCheck:
         self.sharded = _fully_sharded(self.model)
         self.parallel = self.sharded or self.wrapper is not self.model
         self.memory_budget = memory_budget
+        self.every = checked_every(every, self.who)
         self.own = None
         self._window_length = 1
-        if self.parallel:
+        if self.every is not None and self.parallel:
+            raise AccumcheckError(f"{self.who}: every= (the sampled check) runs in one process; check a data-parallel "
+                                  "or sharded run without it, or one process of it")
+        if self.every is not None:
+            self.own = sampled_reference(memory_budget, self.model, self._longest_window, self.who)
+        elif self.parallel:
             replica_fits(memory_budget, self.model, self.optimizer, self.who)
         else:
             self.own = budgeted(memory_budget, self.model, [self.optimizer], self._longest_window, self.who)
         # DDP's buckets and FSDP2's shards are set up for the model's dtypes: such a model runs in them,
-        # judged against a float64 copy; any other runs in float64 (in its own dtype under a memory budget)
-        self.run = Float64Run(self.model, (self.optimizer,), float64=not self.parallel and self.own is None,
-                              on_disk=self.own is not None)
+        # judged against a float64 copy; any other runs in float64 (in its own dtype under a memory budget;
+        # sampled, the run is the user's own and nothing is changed)
+        self.run = LiveRun() if self.every is not None else \
+            Float64Run(self.model, (self.optimizer,), float64=not self.parallel and self.own is None,
+                       on_disk=self.own is not None)
         self.recorder: StackRecorder | None = None
         self._replica: torch.nn.Module | None = None
         self._before_clip: dict[int, torch.Tensor | None] | None = None
@@ -134,7 +150,7 @@ class AccumulationCheck:
         self.recorder = StackRecorder(self.model, self._window_loss, labelled=self.loss_fn is not None,
                                       applied_gradient=self._applied, precision=precision,
                                       reference=self._reference if self.parallel else None,
-                                      window_reference=self.window_reference, own_dtype=self.own)
+                                      window_reference=self.window_reference, own_dtype=self.own, every=self.every)
         self.recorder.computed = _dtype_name(self.model)
         self.run.__enter__()
         self._inside = True
@@ -143,7 +159,7 @@ class AccumulationCheck:
             for name, clip in self._clips.items():
                 setattr(torch.nn.utils, name, self._captured_first(clip))
             self.recorder.watch(self.optimizer)
-            if self.judges_updates:
+            if self.judges_updates and self.every is None:
                 self.recorder.watch_updates(self.optimizer, replay=not self.sharded and self.own is None
                                             ).clip_watched = True
             self._reset = self.optimizer.register_step_pre_hook(self._stepped)  # after the recorder's capture
@@ -168,7 +184,7 @@ class AccumulationCheck:
                 self._sync_hook.remove()
         finally:
             self.run.__exit__(*exc)
-            if self._schedule is not None:  # the loop's scheduler counted the run's steps
+            if self._schedule is not None and self.every is None:  # the loop's scheduler counted the check's steps
                 self.scheduler.load_state_dict(self._schedule)
             self._replica = None
             self._finished = True
@@ -290,7 +306,8 @@ class AccumulationCheck:
             f"steps={self.steps}{reference_keyword(self.window_reference)}{self._budget_keyword()})"
 
     def _budget_keyword(self) -> str:
-        return "" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}"
+        return ("" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}") + \
+            ("" if self.every is None else f", every={self.every}")
 
     def _build_report(self) -> StackReport:
         recorder = self.recorder
@@ -304,6 +321,9 @@ class AccumulationCheck:
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model runs in its dtypes (accumulated "
                          f"in {policy.accumulation}, reduced in {policy.reduction}) against a float64 copy of it; the "
                          f"{self.restored} were put back after the run")
+        elif self.every is not None:
+            notes.append(sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every,
+                                      "your loop trained as written"))
         else:
             ran = "float64" if self.own is None else f"its own dtype ({recorder.computed})"
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in {ran}; the "
@@ -325,7 +345,8 @@ class AccumulationCheck:
                             recorder.seen_everywhere, versions, notes, reproduce=reproduce,
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
-                            reference_dtype="float64" if self.own is None else recorder.computed)
+                            reference_dtype="float64" if self.own is None else recorder.computed,
+                            stepped=recorder.stepped_indices if self.every is not None else None)
 
     def _accum_steps(self) -> int:
         """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""

@@ -94,6 +94,22 @@ def sampled_reference(memory_budget: Any, model: torch.nn.Module, accum_steps: C
     return own
 
 
+def sampled_note(judged_why: dict[int, str], optimizer_steps: int, every: int, ran: str) -> str:
+    """How a sampled check's report says which steps it judged, and why each."""
+    listed = ", ".join(f"{step}" + ("" if why.startswith("one step in") else f" ({why})")
+                       for step, why in judged_why.items())
+    return (f"sampled in your run: {len(judged_why)} of {optimizer_steps} optimizer steps judged, one in {every} and "
+            f"every window of a new length (steps {listed or 'none'}); {ran}, untouched, its dropout replayed for the "
+            "reference")
+
+
+def checked_every(every: Any, who: str) -> int | None:
+    """A sampled check's ``every`` (None: not sampled); AccumcheckError where it is no positive integer."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise AccumcheckError(f"{who}: every must be a positive integer, got {every!r}")
+    return every
+
+
 def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizers: list[Any],
                 sampled: bool = False) -> str:
     """How a report says what its memory budget chose."""
@@ -143,8 +159,8 @@ class OwnDtypeReference:
         if not plan_.split:
             raise AccumcheckError(f"{self.who}: the window's reference cannot be computed micro-batch by micro-batch "
                                   f"({plan_.note}), and the window as one batch holds all its micro-batches' "
-                                  "activations at once, beyond any memory budget; run the check without "
-                                  "memory_budget (or on fewer micro-batches per window)")
+                                  "activations at once, beyond any memory budget or live run; run the check without "
+                                  "memory_budget or every (or on fewer micro-batches per window)")
         groups = self.plan(named)
         dtype = _dtype_name(named)
         steps = []

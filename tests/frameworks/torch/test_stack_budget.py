@@ -14,6 +14,7 @@ budget that would.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import tracemalloc
@@ -342,3 +343,79 @@ def test_a_model_that_runs_in_its_own_dtypes_is_put_back_after_the_check(tmp_pat
         assert len(opt.state) == 0  # the state the check's steps made is gone
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------- the sampled check of a loop
+
+
+class DropoutLM(TokenLM):
+    """TokenLM with dropout between its embedding and head: a live run draws masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.head(self.drop(torch.tanh(self.emb(input_ids))))
+        total = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100,
+                                                  reduction="sum")
+        return {"loss": total / (num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum())}
+
+
+def live_loop(every=None, divide_by_n=False, epochs=2, per_epoch=10):
+    """Epochs of ``per_epoch`` micro-batches in windows of N (the last one short), dropout on; the
+    correct loop divides each micro-batch's token sum by its window's tokens, the faulty one each
+    micro-batch's own mean by N (right for full windows of equal micro-batches, k/N of a short one)."""
+    torch.manual_seed(0)
+    model = DropoutLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    check = AccumulationCheck(model, opt, every=every) if every else None
+    data = token_batches(per_epoch, variable=False)
+    windows = [data[i:i + N] for i in range(0, per_epoch, N)]
+    with check or contextlib.nullcontext():
+        for _ in range(epochs):
+            feed = check.batches(data) if check else iter(data)
+            for window in windows:
+                items = sum(int((b["labels"] != -100).sum()) for b in window)
+                for _ in window:
+                    batch = next(feed)
+                    loss = model(**batch)["loss"] / N if divide_by_n else \
+                        model(**batch, num_items_in_batch=items)["loss"]
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+    return model, (check.report if check else None)
+
+
+def test_the_sampled_check_of_a_loop_is_faithful_and_leaves_its_training_as_it_is():
+    plain, _ = live_loop()
+    model, report = live_loop(every=4)
+    assert [(s.step, len(s.micro_batches)) for s in report.steps] == [(0, 4), (2, 2), (3, 4), (4, 4), (5, 2)]
+    assert [s.verdict for s in report.steps] == ["faithful"] * 5 and report.exit_code == 0
+    assert "every=4" in report.reproduce and report.unstepped == []
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_the_sampled_check_of_a_loop_catches_a_fault_of_its_short_windows():
+    _, report = live_loop(every=100, divide_by_n=True)
+    assert [(s.step, s.verdict) for s in report.steps] == [(0, "faithful"), (2, "constant-factor"),
+                                                           (3, "faithful"), (5, "constant-factor")]
+    assert report.exit_code == 1
+
+
+def test_the_sampled_check_runs_in_one_process_and_takes_a_positive_every():
+    model = TokenLM()
+    with pytest.raises(AccumcheckError, match="every must be a positive integer"):
+        AccumulationCheck(model, torch.optim.SGD(model.parameters(), lr=0.1), every=0)
+
+
+def test_a_sampled_lightning_fit_is_faithful_and_lists_its_steps():
+    pytest.importorskip("lightning.pytorch")
+    import test_lightning_stack as lit
+    from zoo import lm_batches
+
+    from accumcheck.integrations.lightning import AccumulationCheck as LightningCheck
+
+    report = lit.fit(lit.LitLM(), lm_batches(3 * lit.N), LightningCheck(every=2))
+    assert [(s.step, s.verdict) for s in report.steps] == [(0, "faithful"), (2, "faithful")]
+    assert report.exit_code == 0 and report.unstepped == []
