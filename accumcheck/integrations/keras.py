@@ -274,7 +274,7 @@ class AccumulationCheck(keras.callbacks.Callback):
         self.windows.append(StackWindow(
             step=len(self.windows), micro_batches=[i for i, _ in window.batches], applied=applied, window=reference,
             item_counts=counts, hypotheses=hypotheses, absum=absum,
-            precision=StepPrecision(accumulation=accumulation, reduction="float32", computed=dtype),
+            precision=StepPrecision(accumulation=accumulation, reduction="float32", computed=dtype, reference=dtype),
             update=self._update(window, trainable, after, applied, micro, dtype)))
 
     def _window_gradient(self, batches: list[tuple[Any, Any, Any]], trainable: list[Any]) -> dict[str, np.ndarray]:
