@@ -267,24 +267,30 @@ def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.nd
 def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> FactorFit:
     """The least-squares factors of A = cF over the tensors that carry signal (``silent_tensors``
     are left out); non-finite gradients have none."""
-    pairs = {name: (np.asarray(accumulated[name], np.float64).ravel(), np.asarray(f, np.float64).ravel())
-             for name, f in full.items()}
-    if not all(np.isfinite(a).all() and np.isfinite(f).all() for a, f in pairs.values()):
+    # one tensor at a time in float64: A may be held in its own dtype, and no copy of all of it is made
+    def pair(name: str) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(accumulated[name], np.float64).ravel(), np.asarray(full[name], np.float64).ravel()
+
+    if not all(np.isfinite(accumulated[name]).all() and np.isfinite(f).all() for name, f in full.items()):
         return FactorFit(None, finite=False)
     silent = silent_tensors(accumulated, full)
-    pairs = {name: pair for name, pair in pairs.items() if name not in silent}
-    af = {name: float(a @ f) for name, (a, f) in pairs.items()}
-    ff = {name: float(f @ f) for name, (_, f) in pairs.items()}
-    norms = {name: float(np.linalg.norm(a)) for name, (a, _) in pairs.items()}
+    names = [name for name in full if name not in silent]
+    af, ff, norms = {}, {}, {}
+    for name in names:
+        a, f = pair(name)
+        af[name], ff[name], norms[name] = float(a @ f), float(f @ f), float(np.linalg.norm(a))
     total = math.sqrt(sum(n * n for n in norms.values()))
     if sum(ff.values()) == 0:
         return FactorFit(None, accumulated_zero=total == 0, silent=silent)
     c = sum(af.values()) / sum(ff.values())
-    factors = {name: af[name] / ff[name] for name in pairs if ff[name] > 0}
+    factors = {name: af[name] / ff[name] for name in names if ff[name] > 0}
     # a tensor with a gradient where the full batch has none is as far from c as can be
     distance = {name: abs(factors[name] - c) if name in factors else math.inf
-                for name in pairs if name in factors or norms[name] > 0}
-    left = {name: float(np.linalg.norm(a - c * f)) for name, (a, f) in pairs.items()}
+                for name in names if name in factors or norms[name] > 0}
+    left = {}
+    for name in names:
+        a, f = pair(name)
+        left[name] = float(np.linalg.norm(a - c * f))
     furthest = max(distance, key=distance.get, default="")
     spread = max((abs(x - c) for x in factors.values()), default=0.0) / abs(c) if c else math.inf
     return FactorFit(c, factors, furthest, spread, _ratio(math.sqrt(sum(x * x for x in left.values())), total),

@@ -33,13 +33,14 @@ from ...run.results import Hypotheses, StackWindow, StepPrecision
 from ..casemodel import to_numpy
 from .reference import ReferencePlan
 
-# Per element of a tensor while its group runs: the float64 sum F over the window's micro-batches,
-# and A read into float64 where the group is judged (the judge's factor fit holds the group's A in
-# float64 at once); the micro-gradient in the parameter's own dtype while it is added is counted on
-# top. ||S||, the round-off's scale, is kept as a number per tensor (a sum of norms), not per element.
-SUMS_BYTES = 8 + 8
-# The judge's temporaries per element of the tensor it is judging (|A - F|, A - cF, in float64).
-JUDGE_BYTES = 16
+# Per element of a tensor while its group runs: the float64 sum F over the window's micro-batches
+# (A is the stack's own gradient, read where it is); the micro-gradient in the parameter's own dtype
+# while it is added is counted on top. ||S||, the round-off's scale, is kept as a number per tensor
+# (a sum of norms), not per element.
+SUMS_BYTES = 8
+# The judge's temporaries per element of the tensor it is judging, one tensor at a time: A in float64,
+# |A - F| and A - cF (judge.fullbatch).
+JUDGE_BYTES = 24
 # Per element of the float64 check (``recorder.Float64Run``): the parameter and its gradient in
 # float64 beside the run's own, A and F on the host, and each optimizer state tensor in float64
 # (the run's copy and the step's replay from the window's start).
