@@ -2,7 +2,9 @@
 
 Runs ``python -m pytest --accum-steps 16,32`` (the README's test command after its install) with
 this interpreter in the repository's root, once, and records the wall time, the outcome and the
-machine. Take it on an idle machine: the suite's torch runs share the cores with anything else.
+machine (its load average before and after the run). The suite runs on one pytest-xdist worker
+per core (tests/conftest.py). Take it on an idle machine: the suite's runs share the cores with
+anything else.
 The install before it (a fresh virtual environment) is not timed.
 
 Every run writes its figures to benchmarks/results/bench_suite.json (or --json FILE); ``figures``
@@ -62,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     print(last)
     print(f"the default suite took {seconds:.0f} s ({seconds / 60:.1f} min) on {about['cores']} cores of "
           f"{about['cpu']}, exit code {run.returncode}")
-    from machine_info import write_result  # benchmarks/ is the script's folder
+    from machine_info import load, write_result  # benchmarks/ is the script's folder
 
+    about["load_after"] = load()  # the 1-minute average: the suite's own last minute counts in it
     write_result(args.json, {"machine": about, "command": "python " + " ".join(COMMAND), "seconds": seconds,
                              "exit_code": run.returncode, "counts": counts})
     return run.returncode

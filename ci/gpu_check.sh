@@ -46,7 +46,8 @@ step() {
 plugin=(-p accumcheck.plugin)
 if "$py" -c 'import sys, importlib.metadata as m
 sys.exit(0 if any(e.value == "accumcheck.plugin" for e in m.entry_points(group="pytest11")) else 1)'; then plugin=(); fi
-step pytest_gpu "$py" -m pytest "${plugin[@]}" -m gpu -q -rs tests/frameworks --accum-device gpu
+# In one process (-p no:xdist: not a pytest-xdist worker per core, each with a CUDA context of its own).
+step pytest_gpu "$py" -m pytest "${plugin[@]}" -p no:xdist -m gpu -q -rs tests/frameworks --accum-device gpu
 step checks "$py" ci/gpu_check.py --out "$out/gpu_checks.json"
 step bench_core "$py" benchmarks/bench_core.py --device cuda --json "$out/bench_core.json"
 step bench_diagnostics "$py" benchmarks/bench_diagnostics.py --device cuda --steps 20 --reps 5 --json "$out/bench_diagnostics.json"

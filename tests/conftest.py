@@ -5,8 +5,74 @@ import signal
 import subprocess
 import sys
 
-import pytest
-from hypothesis import settings
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# The suite runs in parallel (pytest-xdist, one worker per core: see pytest_cmdline_main below).
+# Each worker, and every process its tests start (the command line, torchrun's ranks, pytester's
+# subprocesses), gets its share of the cores for the frameworks' thread pools, set here before
+# any of them is imported: two workers each spinning a pool as wide as the machine would be
+# many times slower than one. A count the environment already sets is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) if os.environ.get("PYTEST_XDIST_WORKER") else 0
+if _WORKERS:
+    for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(_variable, str(max(1, _usable_cores() // _WORKERS)))
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# At most this many workers by default, however many cores: each holds PyTorch, MXNet, JAX and
+# the Hugging Face stacks in memory (about 2 GB).
+MAX_WORKERS = 8
+
+# Modules whose tests share one expensive module-scoped run (a torchrun job, the documentation's
+# build): each module's tests go to one worker, which runs it once. Every other test goes on its
+# own to the next free worker.
+SHARED_SETUP = {
+    "tests/frameworks/torch/test_fsdp2_stack.py",  # `jobs`: every scenario in one torchrun job
+    "tests/frameworks/torch/test_deepspeed_stack.py",  # `runs`: every scenario in one torchrun job
+    "tests/frameworks/torch/test_sharded_diagnostics.py",  # `fsdp2_runs`, `zero_runs`: torchrun jobs
+    "tests/frameworks/mxnet/test_mxnet_float16.py",  # `plain`: the float16 comparison
+    "tests/unit/test_docs.py",  # `site`: mkdocs build --strict
+    "tests/e2e/test_hostile_reports.py",  # `place`: the real and tampered reports
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Run the tests on one pytest-xdist worker per usable core (at most MAX_WORKERS) where
+    pytest-xdist is installed (the `test` extra installs it) and the command line chose nothing
+    itself: ``-n N`` picks another number, ``-n 0`` (or ``-p no:xdist``) runs them in this process."""
+    if getattr(config.option, "numprocesses", 0) is not None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # no pytest-xdist, or -n given, or this is a worker already
+    if "MUTANT_UNDER_TEST" in os.environ:
+        return  # mutmut (ci/mutation.py) runs the tests in its own process, to see what each one calls
+    if config.option.collectonly or config.getoption("usepdb", False) or config.getoption("dist", "no") != "no":
+        return
+    workers = min(_usable_cores(), MAX_WORKERS)
+    if workers > 1:
+        config.option.numprocesses = workers
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """(pytest-xdist's --dist load, its default) Each test to the next free worker, one at a time,
+    except a SHARED_SETUP module's, which go to one worker together (first, as the largest units).
+    Not xdist_group marks with --dist loadgroup: pytest-xdist 3.8 groups by editing the tests'
+    node ids, which pytest 9.2 no longer lets it do (pytest-dev/pytest-xdist#1386)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_SETUP else nodeid
+
+    return SharedSetupScheduling(config, log)
+
 
 pytest_plugins = ["pytester"]
 
@@ -19,6 +85,13 @@ settings.register_profile("ci", max_examples=200, deadline=None, derandomize=Tru
 settings.register_profile("thorough", max_examples=10_000, deadline=None)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def pytest_configure(config):
+    if _WORKERS and "torch" in sys.modules:  # imported before this file: its pool is already sized
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # The signals a run ends on: their handlers are the host program's, left as found by every test (a
