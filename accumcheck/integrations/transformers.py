@@ -197,6 +197,9 @@ class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sample
         if not isinstance(trainer, transformers.Trainer):
             raise AccumcheckError(f"transformers.watch: expected a transformers.Trainer, got {type(trainer).__name__}")
         checked_every(every, "transformers.watch")
+        if World.current().parallel:
+            raise AccumcheckError("transformers.watch: the sampled check runs in one process; check a run on several "
+                                  "ranks with transformers.check")
         self.trainer, self.every = trainer, every
         model = trainer.model
         own = sampled_reference(memory_budget, model, lambda k: trainer.args.gradient_accumulation_steps,

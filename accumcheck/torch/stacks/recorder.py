@@ -183,9 +183,10 @@ class StackRecorder:
             with torch.enable_grad():
                 plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
                                       self.join_window, hypotheses.by_design)
-                if plan.split:  # each micro-batch's own gradient, kept for the hypotheses below
-                    window, found, each = self._micro_batch_sums(module, ref_named, batches, plan.weights)
-                    micro, term_windows = (weighted_sum(each, (1.0,) * len(each)), found, each), {}
+                if plan.split:  # each micro-batch's own gradient kept only where the round-off needs it
+                    keep = self.precision is not None  # (a flagged window's hypotheses run them again below)
+                    window, found, each = self._micro_batch_sums(module, ref_named, batches, plan.weights, keep)
+                    micro, term_windows = (weighted_sum(each, (1.0,) * len(each)), found, each) if keep else None, {}
                     if found:  # terms the probe's rows did not have: the window as one batch
                         plan = ReferencePlan(False, "the loss has additive terms of its own")
                 if not plan.split:
@@ -306,11 +307,12 @@ class StackRecorder:
         return gradients[0], dict(zip(terms, gradients[1:]))
 
     def _micro_batch_sums(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]],
-                          batches: list[Any], weights: tuple[float, ...] | None = None
+                          batches: list[Any], weights: tuple[float, ...] | None = None, keep: bool = True
                           ) -> tuple[Gradients, dict[str, Gradients], list[Gradients]]:
         """Over the window's micro-batches, each as a batch of its own: its loss's gradient summed,
-        each term's, and each one's gradient. With ``weights``, each one's loss times its weight, as
-        the window's loss scales its items (float32 parts of a model round alike), divided back."""
+        each term's, and each one's gradient (``keep``; else none, the sums alone held). With
+        ``weights``, each one's loss times its weight, as the window's loss scales its items
+        (float32 parts of a model round alike), divided back."""
         total: Gradients = {}
         terms: dict[str, Gradients] = {}
         each: list[Gradients] = []
@@ -318,7 +320,8 @@ class StackRecorder:
             w = 1.0 if weights is None else weights[i]
             gradient, term_gradients = self._gradients(module, named, self.join_window([batch]), w)
             add_gradients(total, gradient)
-            each.append(gradient if w == 1.0 else {name: g / w for name, g in gradient.items()})
+            if keep:
+                each.append(gradient if w == 1.0 else {name: g / w for name, g in gradient.items()})
             for name, g in term_gradients.items():
                 add_gradients(terms.setdefault(name, {}), g)
         return total, terms, each

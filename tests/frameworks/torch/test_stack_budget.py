@@ -224,6 +224,22 @@ def test_the_bound_counts_a_reference_computed_below_float64():
 # ----------------------------------------------------------------- the Hugging Face Trainer
 
 
+@pytest.fixture(autouse=True)
+def accelerate_state():
+    """accelerate's GradientState is shared by every Accelerator in the process, and a Trainer's own
+    run (the sampled check's is the user's) leaves its loader among the active ones: put back after
+    each test, so later tests in the process start from accelerate's own state."""
+    try:
+        from accelerate.state import GradientState
+    except ImportError:
+        yield
+        return
+    kept = dict(GradientState._shared_state)
+    yield
+    GradientState._shared_state.clear()
+    GradientState._shared_state.update(kept)
+
+
 @pytest.fixture(scope="module")
 def hf():
     pytest.importorskip("transformers")
