@@ -71,23 +71,23 @@ def judge_update(update: StepUpdate, micro_batches: int) -> StepUpdateResult:
         findings.append(f"{len(update.moved)} parameter tensor{'s' * (len(update.moved) != 1)} ({names}) moved "
                         "between the window's micro-batches, before its step: something updates them inside the "
                         "window (weight decay or an optimizer step at every micro-batch)")
-    error, matches = None, ""
-    if update.expected is not None and update.applied is not None and update.scale is not None:
+    error, matches = update.error, ""
+    if error is None and update.expected is not None and update.applied is not None and update.scale is not None:
         error = update_error(update.applied, update.expected, update.scale, update.dtype)
-        if error > 1:
-            tried = {cause: update_error(update.applied, want, update.scale, update.dtype)
-                     for cause, want in update.hypotheses.items()}
-            fits = sorted((e, cause) for cause, e in tried.items() if e <= 1)
-            matches = fits[0][1] if fits else ""
-            figure = "where one update leaves a parameter as it was, it moved" if math.isinf(error) else \
-                f"{error:.3g}x its round-off"
-            if matches:
-                findings.append(f"the update is not the optimizer applied once to the window's gradient ({figure}): "
-                                f"it matches {matches}")
-            else:
-                others = f"; nor {', '.join(tried)}" if tried else ""
-                findings.append(f"the update is not the optimizer applied once to the window's gradient "
-                                f"({figure}){others}")
+    if error is not None and error > 1:
+        tried = dict(update.tried) or {cause: update_error(update.applied, want, update.scale, update.dtype)
+                                       for cause, want in update.hypotheses.items()}
+        fits = sorted((e, cause) for cause, e in tried.items() if e <= 1)
+        matches = fits[0][1] if fits else ""
+        figure = "where one update leaves a parameter as it was, it moved" if math.isinf(error) else \
+            f"{error:.3g}x its round-off"
+        if matches:
+            findings.append(f"the update is not the optimizer applied once to the window's gradient ({figure}): "
+                            f"it matches {matches}")
+        else:
+            others = f"; nor {', '.join(tried)}" if tried else ""
+            findings.append(f"the update is not the optimizer applied once to the window's gradient "
+                            f"({figure}){others}")
     return StepUpdateResult(optimizer_steps=k, scheduler_steps=update.scheduler_steps, clip_calls=update.clip_calls,
                             moved=list(update.moved), error=error, matches=matches, lr=update.lr, findings=findings,
                             note=update.replay_note)

@@ -173,7 +173,8 @@ class StepUpdate:
     the round-off of the step is relative to (|parameter| + |update|), ``dtype`` the dtype the
     stack's optimizer ran in. ``hypotheses`` are other updates the step may have made, by what
     causes them ("weight decay applied at every micro-step": that update), tried where
-    ``expected`` does not match. ``lr`` is the learning rate the step used."""
+    ``expected`` does not match. ``lr`` is the learning rate the step used. A check that judges
+    the update as the step runs keeps ``error`` and ``tried`` instead of the arrays."""
 
     optimizer_steps: int = 1
     scheduler_steps: int | None = None
@@ -186,6 +187,10 @@ class StepUpdate:
     hypotheses: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     lr: float | None = None
     replay_note: str = ""
+    # judged where the step ran, the arrays not kept (a large model): update_error of ``applied``
+    # against ``expected`` (``error``) and against each hypothesis (``tried``)
+    error: float | None = None
+    tried: dict[str, float] = field(default_factory=dict)
     gradient_micro_batches: int = 0  # micro-batches the gradient holds since it was last zeroed (0: not counted)
 
 

@@ -18,12 +18,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...judge.update import update_error
 from ...run.results import StepUpdate
 from ..casemodel import to_numpy
 
 DECAY_EACH = "weight decay applied at every micro-step"
 BIAS_EACH = "Adam's bias correction counting micro-steps"
 LR_INSIDE = "the learning rate a scheduler set inside the window"
+# torch.optim's optimizers whose step moves each parameter by its own gradient and state alone: their
+# replay runs a chunk of parameters at a time, of at most REPLAY_ELEMENTS elements (128 MiB in float64)
+PER_TENSOR = tuple(getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam",
+                                                           "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
+                                                           "Adafactor") if hasattr(torch.optim, name))
+REPLAY_ELEMENTS = 1 << 24
 
 
 class _Start:
@@ -149,40 +156,48 @@ class StepWatch:
                 self._judge_ready(update, start)
             except (RuntimeError, TypeError, ValueError, KeyError) as exc:
                 update.replay_note = f"the optimizer could not be replayed in float64 ({str(exc).splitlines()[0][:120]})"
-                update.expected = update.applied = update.scale = None
-                update.hypotheses = {}
+                update.error, update.tried = None, {}
         self._update = update
         self._start, self._moved, self._clips, self._schedules, self._seen = None, set(), 0, 0, 0
 
     def _judge_ready(self, update: StepUpdate, start: _Start) -> None:
-        """The applied update and the float64 replays: once, and with each cause."""
+        """The applied update against the float64 replays, once and with each cause, judged here
+        (``update.error``, ``update.tried``) a chunk of parameters at a time, so that what the replay
+        holds beside the run is a chunk's, not the model's, and nothing of its size is kept."""
         optimizer = self.optimizer
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
         update.dtype = "float64" if dtypes == {"float64"} else "float32" if "float32" in dtypes else min(dtypes)
-        handed = {id(p): p.grad.detach().to(torch.float64).clone() for p in params}
-        applied = {self._name(p): to_numpy(p.detach().to(torch.float64) - start.data[id(p)].to(torch.float64))
-                   for p in params}
         micro = max(1, self._seen)
-        expected = self._replayed(start, handed, micro)
-        update.applied, update.expected = applied, expected
-        update.scale = {name: np.abs(to_numpy(start.data[id(p)].to(torch.float64))) + np.abs(expected[name]) +
-                        float(start.groups[0].get("lr", 0.0) or 0.0)
-                        for p in params for name in (self._name(p),)}
         decays = any(float(g.get("weight_decay", 0) or 0) > 0 for g in start.groups) and micro > 1 and \
             _decoupled(optimizer)
         counts = micro > 1 and any("betas" in g for g in start.groups) and \
             any("step" in s for s in start.state.values())
+        causes: dict[str, dict[str, Any]] = {}
         if decays:
-            update.hypotheses[DECAY_EACH] = self._replayed(start, handed, micro, decay=True)
+            causes[DECAY_EACH] = {"decay": True}
         if counts:
-            update.hypotheses[BIAS_EACH] = self._replayed(start, handed, micro, count=True)
+            causes[BIAS_EACH] = {"count": True}
         if decays and counts:
-            update.hypotheses[f"{DECAY_EACH} and {BIAS_EACH}"] = self._replayed(start, handed, micro, decay=True,
-                                                                                 count=True)
+            causes[f"{DECAY_EACH} and {BIAS_EACH}"] = {"decay": True, "count": True}
         used = [g.get("lr") for g in optimizer.param_groups]
         if used != [g.get("lr") for g in start.groups]:
-            update.hypotheses[LR_INSIDE] = self._replayed(start, handed, micro, lrs=used)
+            causes[LR_INSIDE] = {"lrs": used}
+        lr = float(start.groups[0].get("lr", 0.0) or 0.0)
+        error, tried = 0.0, {cause: 0.0 for cause in causes}
+        for chunk in _chunks(optimizer, params):
+            handed = {id(p): p.grad.detach().to(torch.float64) for p in chunk}
+            applied = {self._name(p): to_numpy(p.detach().to(torch.float64) - start.data[id(p)].to(torch.float64))
+                       for p in chunk}
+            expected = self._replayed(start, handed, micro)
+            scale = {name: np.abs(to_numpy(start.data[id(p)].to(torch.float64))) + np.abs(expected[name]) + lr
+                     for p in chunk for name in (self._name(p),)}
+            error = max(error, update_error(applied, expected, scale, update.dtype))
+            for cause, how in causes.items():
+                tried[cause] = max(tried[cause], update_error(applied, self._replayed(start, handed, micro, **how),
+                                                              scale, update.dtype))
+            del handed, applied, expected, scale
+        update.error, update.tried = error, tried
 
     def _replayed(self, start: _Start, handed: dict[int, torch.Tensor], micro: int, decay: bool = False,
                   count: bool = False, lrs: list[Any] | None = None) -> dict[str, np.ndarray]:
@@ -226,6 +241,23 @@ def _steps_of(scheduler: Any) -> Any:
         optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
     inner = getattr(optimizer, "optimizer", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _chunks(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters in chunks of at most REPLAY_ELEMENTS elements (a larger tensor alone) where
+    the optimizer is one of torch.optim's that update each parameter from its own gradient and
+    state (PER_TENSOR); any other optimizer's in one chunk, as its step may join them."""
+    if type(optimizer) not in PER_TENSOR:
+        return [params]
+    chunks: list[list[torch.Tensor]] = [[]]
+    held = 0
+    for p in params:
+        if chunks[-1] and held + p.numel() > REPLAY_ELEMENTS:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(p)
+        held += p.numel()
+    return chunks
 
 
 def _decoupled(optimizer: torch.optim.Optimizer) -> bool:

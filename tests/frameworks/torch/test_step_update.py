@@ -109,3 +109,23 @@ def test_a_chained_scheduler_is_one_scheduler_step(fault):
     report = run(fault, chained=True)[0].report
     assert [s.update.scheduler_steps for s in report.steps] == ([None, 1, 1] if fault is None else [N] * 3)
     assert report.exit_code == (0 if fault is None else 1)
+
+
+@pytest.mark.parametrize("fault", [None, "keras-19990"])
+def test_the_replay_in_chunks_of_tensors_judges_as_the_whole_replay(monkeypatch, fault):
+    """A large model's update is replayed a few tensors at a time (stepwatch.REPLAY_ELEMENTS) and
+    judged as it goes: the same errors, and the same cause named, as the replay of all at once."""
+    from accumcheck.torch.stacks import stepwatch
+
+    whole = run(fault)[0].report
+    monkeypatch.setattr(stepwatch, "REPLAY_ELEMENTS", 1)  # one tensor per chunk
+    chunked = run(fault)[0].report
+    assert [s.update.matches for s in chunked.steps] == [s.update.matches for s in whole.steps]
+    assert [s.update.error for s in chunked.steps] == [s.update.error for s in whole.steps]
+    assert [s.verdict for s in chunked.steps] == [s.verdict for s in whole.steps]
+    assert chunked.exit_code == (1 if fault else 0)
+    # an optimizer torch.optim does not know replays all its parameters at once: its step may join them
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    custom = type("Joined", (torch.optim.SGD,), {})(params, lr=0.1)
+    assert len(stepwatch._chunks(custom, params)) == 1
+    assert len(stepwatch._chunks(torch.optim.SGD(params, lr=0.1), params)) == 2
