@@ -103,7 +103,8 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     join = join_paired if lineage & PAIRED else None
     World.current().meet("transformers.check")  # a rank without the check: named, not waited for
     recorder = StackRecorder(model, lambda m, batch: _window_loss(trainer, m, batch, terms or {}), join,
-                             window_reference=window_reference, own_dtype=own)
+                             window_reference=window_reference, own_dtype=own,
+                             accum_steps=lambda k: trainer.args.gradient_accumulation_steps)
     recorder.computed = _computed_dtype(trainer.args, model)
     # a model that takes num_items_in_batch normalises the window itself: the Trainer skips its 1/N
     recorder.takes_item_count = getattr(trainer, "model_accepts_loss_kwargs", None)

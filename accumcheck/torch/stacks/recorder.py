@@ -18,7 +18,7 @@ import torch
 
 from ...errors import AccumcheckError
 from ...judge.fullbatch import SEMANTIC_TOLERANCE, largest_difference
-from ...judge.stack import Coverage
+from ...judge.stack import Coverage, judge_window
 from ...run.results import Hypotheses, StackWindow, StepPrecision, TermGradients
 from ...run.usermodel import map_leaves
 from ..bydesign import batch_level_modules
@@ -61,8 +61,12 @@ class StackRecorder:
                  applied_gradient: Callable[[str, torch.nn.Parameter], torch.Tensor | None] | None = None,
                  reference: Callable[[], torch.nn.Module] | None = None,
                  precision: StepPrecision | None = None, window_reference: str = "auto",
-                 own_dtype: OwnDtypeReference | None = None, every: int | None = None) -> None:
+                 own_dtype: OwnDtypeReference | None = None, every: int | None = None,
+                 accum_steps: Callable[[int], int] | None = None) -> None:
         self.model = model
+        # the stack's N for a window of k micro-batches, where known as the run goes: each window is
+        # then judged once its step has run and its arrays let go, so the check holds one window's
+        self.accum_steps = accum_steps
         self.window_reference = reference_choice(window_reference, "stack check")  # ``stacks.reference``
         self.window_loss = window_loss
         self.join_window = join_window or join_padded
@@ -124,6 +128,16 @@ class StackRecorder:
         update = self.step_watch.take() if self.step_watch is not None else None
         if update is not None and self.windows and self._window_step == self.optimizer_steps - 1:
             self.windows[-1].update = self.windows[-1].update or update
+        self._settle()
+
+    def _settle(self) -> None:
+        """The windows whose step has run judged (``accum_steps`` given), their arrays let go."""
+        if self.accum_steps is None:
+            return
+        for window in self.windows:
+            if window.judged is None:
+                window.judged = judge_window(window, self.accum_steps(len(window.micro_batches)))
+                window.applied, window.window, window.absum, window.hypotheses = {}, {}, None, Hypotheses()
 
     def stepped(self) -> None:
         """The stack's optimizer steps now: the window is captured where it was not yet; a step
@@ -161,6 +175,7 @@ class StackRecorder:
             return
         if self.every is not None and not self._sampled(pending):
             return
+        self._settle()  # a step the watch saw no update of (or no watch): its window is complete
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         if self.own_dtype is not None:
             return self._capture_own_dtype(named, pending)

@@ -470,3 +470,30 @@ def test_a_sampled_lightning_fit_is_faithful_and_lists_its_steps():
     report = lit.fit(lit.LitLM(), lm_batches(3 * lit.N), LightningCheck(every=2))
     assert [(s.step, s.verdict) for s in report.steps] == [(0, "faithful"), (2, "faithful")]
     assert report.exit_code == 0 and report.unstepped == []
+
+
+@pytest.mark.parametrize("kind", [None, "LossOverN"])
+def test_the_trainer_check_judges_each_window_after_its_step_and_holds_one_at_a_time(tmp_path, hf, monkeypatch, kind):
+    """However many steps it runs, the float64 check keeps one window's gradients: each window is
+    judged once its step (and its update's replay) has run, its arrays let go; the report is the
+    one of judging them all at the end, for a faithful Trainer and a flagged one."""
+    from accumcheck.integrations.transformers import check
+    from accumcheck.torch.stacks.recorder import StackRecorder
+
+    _, stack = hf
+    kind = kind and getattr(stack, kind)
+    held, capture = [], StackRecorder.capture
+
+    def counted(recorder):
+        held.append(sum(bool(w.applied) for w in recorder.windows))  # windows whose arrays are still kept
+        return capture(recorder)
+    monkeypatch.setattr(StackRecorder, "capture", counted)
+    report = check(stack.trainer_for(tmp_path / "a", kind=kind), steps=4)
+    assert len(report.steps) == 4 and max(held) <= 1
+    monkeypatch.setattr(StackRecorder, "_settle", lambda recorder: None)  # every window kept to the end
+    kept = check(stack.trainer_for(tmp_path / "b", kind=kind), steps=4)
+    assert [s.verdict for s in report.steps] == [s.verdict for s in kept.steps] == \
+        (["faithful"] * 4 if kind is None else ["constant-factor"] * 4)
+    assert [s.explanation for s in report.steps] == [s.explanation for s in kept.steps]
+    assert [s.update.error for s in report.steps] == [s.update.error for s in kept.steps]
+    assert report.exit_code == kept.exit_code == (0 if kind is None else 1)
