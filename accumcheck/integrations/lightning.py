@@ -115,7 +115,8 @@ class AccumulationCheck(pl.Callback):
         self.recorder = StackRecorder(pl_module, self._window_loss, labelled=True,
                                       reference=self._reference if parallel else None,
                                       precision=StepPrecision() if parallel else None,
-                                      window_reference=self.window_reference, own_dtype=self._own, every=self.every)
+                                      window_reference=self.window_reference, own_dtype=self._own, every=self.every,
+                                      accum_steps=lambda k: self._accum_steps)
         self._report, self._ended = None, None
         self._run = LiveRun() if self.every is not None else \
             Float64Run(pl_module, tuple(trainer.optimizers), float64=not parallel and self._own is None,

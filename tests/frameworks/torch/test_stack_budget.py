@@ -497,3 +497,30 @@ def test_the_trainer_check_judges_each_window_after_its_step_and_holds_one_at_a_
     assert [s.explanation for s in report.steps] == [s.explanation for s in kept.steps]
     assert [s.update.error for s in report.steps] == [s.update.error for s in kept.steps]
     assert report.exit_code == kept.exit_code == (0 if kind is None else 1)
+
+
+@pytest.mark.parametrize("scale", [1.0, "1/N"])
+def test_the_lightning_check_judges_each_window_after_its_step_and_holds_one_at_a_time(monkeypatch, scale):
+    """The Lightning callback, like the Trainer's check: one window's arrays at a time, and the
+    report of judging them all at the end, for a faithful fit and one that divides by N again."""
+    pytest.importorskip("lightning.pytorch")
+    import test_lightning_stack as lit
+    from zoo import lm_batches
+
+    from accumcheck.integrations.lightning import AccumulationCheck as LightningCheck
+    from accumcheck.torch.stacks.recorder import StackRecorder
+
+    held, capture = [], StackRecorder.capture
+
+    def counted(recorder):
+        held.append(sum(bool(w.applied) for w in recorder.windows))
+        return capture(recorder)
+    monkeypatch.setattr(StackRecorder, "capture", counted)
+    report = lit.fit(lit.LitLM(scale=scale), lm_batches(4 * lit.N), LightningCheck())
+    assert len(report.steps) == 4 and max(held) <= 1
+    monkeypatch.setattr(StackRecorder, "_settle", lambda recorder: None)
+    kept = lit.fit(lit.LitLM(scale=scale), lm_batches(4 * lit.N), LightningCheck())
+    assert [s.verdict for s in report.steps] == [s.verdict for s in kept.steps] == \
+        (["faithful"] * 4 if scale == 1.0 else ["constant-factor"] * 4)
+    assert [s.explanation for s in report.steps] == [s.explanation for s in kept.steps]
+    assert report.exit_code == kept.exit_code == (0 if scale == 1.0 else 1)
