@@ -6,6 +6,8 @@ in a fresh child process, the children interleaved round by round.
     check      ``accumcheck.integrations.transformers.check(trainer, steps=S)``: the float64 check
     budget     the same with ``memory_budget`` = a quarter of plain's peak memory (so the check may
                add at most 25 %): the reference in the model's own dtype, in groups of tensors
+    wide       the same with twice that budget, half of plain's peak: fewer groups, each one pass
+               over the window less (the trade of memory for time)
     sampled    ``with watch(trainer, every=K): trainer.train()`` for S_s optimizer steps
     plain_s    ``trainer.train()`` for the same S_s steps, beside it
 
@@ -17,7 +19,8 @@ median over the rounds.
 The sampled check's cost at K = 100: a run of S_s steps judges step 0 (``one step in K``), so its
 measured ratio is (S_s plain steps + one reference) / S_s; per step the children also record their
 times, and the cost of one step in K judged is (K x plain's median step + (K - 1) x (sampled's
-median unjudged step - plain's) + (sampled's step 0 - plain's step 0)) / (K x plain's median
+median unjudged step - plain's, or 0 where that is below 0: two runs' steps differ by more than the
+recording costs) + (sampled's step 0 - plain's step 0)) / (K x plain's median
 step), as a run of K steps would pay it.
 
 Aims: with a budget, peak memory <= 1.25 x plain and time <= 3 x plain; sampled at K = 100 <= 1.03.
@@ -45,7 +48,7 @@ from machine_info import cpu_family, cpu_model, load, write_result  # benchmarks
 
 RESULT = Path(__file__).resolve().parent / "results" / "bench_stacks.json"
 SHARE = 0.25  # the budget: what the check may add to plain training's peak (--quick: 0.5, a small model's
-# largest tensor needs more than a quarter of its run)
+# largest tensor needs more than a quarter of its run); ``wide`` twice that
 EVERY = 100
 
 CHILD = """
@@ -95,6 +98,8 @@ with tempfile.TemporaryDirectory() as folder:
         out.update(exit_code=report.exit_code, judged=[s.step for s in report.steps])
     else:
         report = check(trainer, steps=steps, memory_budget=budget)
+        from accumcheck.torch.stacks.owndtype import float64_need
+        out["float64_need"] = float64_need(model, [trainer.optimizer])
         out.update(exit_code=report.exit_code, verdicts=[s.verdict for s in report.steps],
                    reference_dtype=report.reference_dtype, notes=[n for n in report.notes if "budget" in n])
     out["seconds"] = time.perf_counter() - started
@@ -127,23 +132,24 @@ def machine() -> dict:
 
 
 def measure(shape: dict, rounds: int, share: float) -> dict:
-    order = ["plain", "check", "budget", "plain_s", "sampled"]
+    order = ["plain", "check", "budget", "wide", "plain_s", "sampled"]
     runs: dict[str, list[dict]] = {name: [] for name in order}
-    budget = None
+    budgets: dict[str, int] = {}
     for r in range(rounds):
         names = order[r % len(order):] + order[:r % len(order)]
-        if budget is None:  # the budget comes from plain's peak: plain runs first in the first round
+        if not budgets:  # the budgets come from plain's peak: plain runs first in the first round
             names = ["plain"] + [n for n in names if n != "plain"]
         for name in names:
             steps = shape["sampled_steps"] if name in ("plain_s", "sampled") else shape["steps"]
-            if name == "budget" and budget is None:
-                budget = int(share * runs["plain"][0]["peak"])
-            found = child(shape, "check" if name == "budget" else name, steps, budget if name == "budget" else None)
+            if not budgets and runs["plain"]:
+                budgets = {"budget": int(share * runs["plain"][0]["peak"]),
+                           "wide": int(2 * share * runs["plain"][0]["peak"])}
+            found = child(shape, "check" if name in budgets else name, steps, budgets.get(name))
             runs[name].append(found)
             print(f"  round {r + 1} {name:8s} {found['seconds']:8.1f} s  peak {found['peak'] / 2**30:6.2f} GiB"
                   f"{'  ' + str(found.get('verdicts') or found.get('judged') or '') }", flush=True)
     ratios = {}
-    for name, base in (("check", "plain"), ("budget", "plain"), ("sampled", "plain_s")):
+    for name, base in (("check", "plain"), ("budget", "plain"), ("wide", "plain"), ("sampled", "plain_s")):
         ratios[name] = {
             "time": statistics.median(a["seconds"] / b["seconds"] for a, b in zip(runs[name], runs[base])),
             "peak": statistics.median(a["peak"] / b["peak"] for a, b in zip(runs[name], runs[base]))}
@@ -151,9 +157,17 @@ def measure(shape: dict, rounds: int, share: float) -> dict:
     plain_step = statistics.median(t for run in runs["plain_s"] for t in run["steps"][1:])
     unjudged = statistics.median(t for run in runs["sampled"] for t in run["steps"][1:])
     judged_extra = statistics.median(a["steps"][0] - b["steps"][0] for a, b in zip(runs["sampled"], runs["plain_s"]))
-    ratios["sampled"]["at_every"] = (k * plain_step + (k - 1) * (unjudged - plain_step) + judged_extra) / (k * plain_step)
+    ratios["sampled"]["at_every"] = at_every(k, plain_step, unjudged, judged_extra)
     ratios["sampled"].update(plain_step=plain_step, unjudged_step=unjudged, judged_extra=judged_extra)
-    return {"budget": budget, "runs": runs, "ratios": ratios, "parameters": runs["plain"][0]["parameters"]}
+    return {"budget": budgets["budget"], "wide_budget": budgets["wide"], "runs": runs, "ratios": ratios,
+            "parameters": runs["plain"][0]["parameters"]}
+
+
+def at_every(k: int, plain_step: float, unjudged: float, judged_extra: float) -> float:
+    """What one step in ``k`` judged costs against plain training, from the median step times: the
+    recording of each unjudged step counted as 0 where it measured below plain's (run-to-run noise
+    larger than it, not a check that speeds training up)."""
+    return (k * plain_step + (k - 1) * max(0.0, unjudged - plain_step) + judged_extra) / (k * plain_step)
 
 
 def figures(result: dict) -> dict[str, str]:
@@ -167,7 +181,8 @@ def figures(result: dict) -> dict[str, str]:
             f"| plain training, {shape['steps']} steps | {plain['seconds']:.1f} s | 1 | {plain['peak'] / gib:.2f} GiB | 1 "
             "| — |"]
     for name, words in (("check", "`check(trainer)`"),
-                        ("budget", f"`check(trainer, memory_budget=...)`, {m['budget'] / gib:.2f} GiB")):
+                        ("budget", f"`check(trainer, memory_budget=...)`, {m['budget'] / gib:.2f} GiB"),
+                        ("wide", f"the same, {m['wide_budget'] / gib:.2f} GiB")):
         run = m["runs"][name][0]
         rows.append(f"| {words} | {run['seconds']:.1f} s | {r[name]['time']:.2f} | {run['peak'] / gib:.2f} GiB | "
                     f"{r[name]['peak']:.2f} | {', '.join(sorted(set(run['verdicts'])))}, reference in "
@@ -187,17 +202,36 @@ def figures(result: dict) -> dict[str, str]:
         "table": "\n" + "\n".join(rows) + "\n",
         "summary": (f"with a budget of {result['share']:.0%} of plain training's peak, the check's peak is {r['budget']['peak']:.2f}× "
                     f"plain training's (aim 1.25) and its time {r['budget']['time']:.2f}× (aim 3; {_groups(m)}); "
+                    f"with twice that budget, {r['wide']['peak']:.2f}× the memory and {r['wide']['time']:.2f}× the time "
+                    f"({_groups(m, 'wide')}); the float64 check added {_added(m):.2f} GiB to plain training's peak, "
+                    f"where it counts {m['runs']['check'][0]['float64_need'] / gib:.2f} GiB (`float64_need`, its "
+                    "activations apart), the count that decides whether a budget holds it; "
                     f"the sampled check at K = {shape['every']} costs "
-                    f"{s['at_every']:.3f}× plain training per step (aim 1.03; from the per-step times: plain "
-                    f"{s['plain_step']:.2f} s, an unjudged step {s['unjudged_step']:.2f} s, a judged one "
-                    f"{s['judged_extra']:+.2f} s more)"),
+                    f"{at_every(shape['every'], s['plain_step'], s['unjudged_step'], s['judged_extra']):.3f}× plain "
+                    f"training per step (aim 1.03; from the per-step times: plain {s['plain_step']:.2f} s, an unjudged "
+                    f"step {s['unjudged_step']:.2f} s{_noise(s)}, a judged one {s['judged_extra']:+.2f} s more)"),
     }
 
 
-def _groups(measured: dict) -> str:
-    """How many groups of tensors the budgeted check ran, from its report's note."""
-    found = re.search(r"in (\d+) groups? of tensors", " ".join(measured["runs"]["budget"][0]["notes"]))
-    return f"{found.group(1)} groups of tensors, each one more pass over the window" if found else "one group"
+def _noise(sampled: dict) -> str:
+    """Said where the unjudged step measured faster than plain's: counted as costing nothing."""
+    return " (below plain's: the two runs' noise, counted as no cost)" if sampled["unjudged_step"] < \
+        sampled["plain_step"] else ""
+
+
+def _added(measured: dict) -> float:
+    """What the float64 check added to plain training's peak, in GiB (the median over the rounds)."""
+    runs = measured["runs"]
+    return statistics.median(c["peak"] - p["peak"] for c, p in zip(runs["check"], runs["plain"])) / 2**30
+
+
+def _groups(measured: dict, name: str = "budget") -> str:
+    """How many groups of tensors a budgeted check ran, from its report's note."""
+    found = re.search(r"in (\d+) groups? of tensors", " ".join(measured["runs"][name][0]["notes"]))
+    if not found:
+        return "the float64 check: its count fits the budget"
+    groups = int(found.group(1))
+    return f"{groups} group{'s' * (groups != 1)} of tensors, each one more pass over the window"
 
 
 def main() -> int:

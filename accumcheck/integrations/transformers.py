@@ -76,7 +76,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
     where a window cannot be split.
 
     ``memory_budget`` (bytes, or a text such as "2G"): what the check may hold beside the run. Where
-    a float64 copy of the model and its optimizer state does not fit, each window's reference is
+    the float64 check (``owndtype.float64_need``) does not fit, each window's reference is
     computed in the model's own dtype micro-batch by micro-batch, summed in float64, in groups of
     tensors that fit (``accumcheck.torch.stacks.owndtype``), and judged within the round-off of
     both dtypes; a budget the largest tensor alone does not fit is refused naming the least one."""

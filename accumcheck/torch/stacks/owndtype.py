@@ -32,6 +32,7 @@ from ...run.budget import ALLOCATOR, FIXED_BYTES, TensorNeed, minimum, plan
 from ...run.results import Hypotheses, StackWindow, StepPrecision
 from ..casemodel import to_numpy
 from .reference import ReferencePlan
+from .stepwatch import replay_chunk
 
 # Per element of a tensor while its group runs: the float64 sum F over the window's micro-batches
 # (A is the stack's own gradient, read where it is); the micro-gradient in the parameter's own dtype
@@ -42,23 +43,34 @@ SUMS_BYTES = 8
 # |A - F| and A - cF (judge.fullbatch).
 JUDGE_BYTES = 24
 # Per element of the float64 check (``recorder.Float64Run``): the parameter and its gradient in
-# float64 beside the run's own, A and F on the host, and each optimizer state tensor in float64
-# (the run's copy and the step's replay from the window's start).
-FLOAT64_PARAMETER_BYTES = 8 + 8 + 8 + 8
+# float64 beside the run's own, A and F on the host, the parameter's float64 copy at the window's
+# start (the update's replay starts from it), and each optimizer state tensor in float64 (the run's
+# copy and the window's start).
+FLOAT64_PARAMETER_BYTES = 8 + 8 + 8 + 8 + 8
 FLOAT64_STATE_BYTES = 8 + 8
+# And while the update is replayed, per element of its chunk (``stepwatch.replay_chunk``): the twin,
+# its gradient, its two state tensors, the gradient handed, the applied and expected updates, their
+# scale and one temporary, all float64.
+REPLAY_BYTES = 9 * 8
 
 
 def float64_need(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
     """What the float64 check holds beside the run (the activations of the float64 forward apart):
     FIXED_BYTES and, per parameter element, FLOAT64_PARAMETER_BYTES, per optimizer state element
-    FLOAT64_STATE_BYTES (an optimizer with no state yet is counted as AdamW: two per parameter)."""
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    FLOAT64_STATE_BYTES (an optimizer with no state yet is counted as AdamW: two per parameter),
+    and REPLAY_BYTES per element of the update's largest replay chunk; ALLOCATOR times those, as
+    for the groups (the allocator's heap grows past what is live: without it the count fell short
+    of what the check added to the run's peak in benchmarks/bench_stacks.py)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
     inner = [getattr(o, "optimizer", o) for o in optimizers if o is not None]
     state = sum(v.numel() for o in inner for s in getattr(o, "state", {}).values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0)
     if not state:  # a fresh (or not yet made) optimizer: AdamW's two moments per parameter appear at its first step
-        state = 2 * params
-    return FIXED_BYTES + params * FLOAT64_PARAMETER_BYTES + state * FLOAT64_STATE_BYTES
+        state = 2 * count
+    chunk = replay_chunk(inner[0] if inner else None, [p.numel() for p in params])
+    held = count * FLOAT64_PARAMETER_BYTES + state * FLOAT64_STATE_BYTES + chunk * REPLAY_BYTES
+    return FIXED_BYTES + math.ceil(held * ALLOCATOR)
 
 
 def budgeted(memory_budget: Any, model: torch.nn.Module, optimizers: list[Any], accum_steps: Callable[[int], int],
@@ -120,7 +132,7 @@ def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizer
     if sampled:
         return (f"memory budget {size_text(own.budget)}: each judged window's reference in {groups} "
                 f"group{'s' * (groups != 1)} of tensors")
-    return (f"memory budget {size_text(own.budget)}: a float64 copy of the model and its optimizer state needs "
+    return (f"memory budget {size_text(own.budget)}: the float64 check needs "
             f"{size_text(float64_need(model, optimizers))}, so each window's reference is computed in the model's "
             f"own dtype micro-batch by micro-batch and summed in float64, in {groups} group{'s' * (groups != 1)} of "
             "tensors, and judged within the round-off of both dtypes (the bound each step states); the update's "

@@ -26,11 +26,11 @@ DECAY_EACH = "weight decay applied at every micro-step"
 BIAS_EACH = "Adam's bias correction counting micro-steps"
 LR_INSIDE = "the learning rate a scheduler set inside the window"
 # torch.optim's optimizers whose step moves each parameter by its own gradient and state alone: their
-# replay runs a chunk of parameters at a time, of at most REPLAY_ELEMENTS elements (128 MiB in float64)
+# replay runs a chunk of parameters at a time, of at most REPLAY_ELEMENTS elements (32 MiB in float64)
 PER_TENSOR = tuple(getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam",
                                                            "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
                                                            "Adafactor") if hasattr(torch.optim, name))
-REPLAY_ELEMENTS = 1 << 24
+REPLAY_ELEMENTS = 1 << 22
 
 
 class _Start:
@@ -258,6 +258,18 @@ def _chunks(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> lis
         chunks[-1].append(p)
         held += p.numel()
     return chunks
+
+
+def replay_chunk(optimizer: Any, sizes: list[int]) -> int:
+    """The elements of the largest chunk the update's replay holds at once, for parameters of
+    ``sizes`` elements (an optimizer not made yet, None, is counted as the Trainer's AdamW)."""
+    if optimizer is not None and type(optimizer) not in PER_TENSOR:
+        return sum(sizes)
+    chunk = held = 0
+    for size in sizes:
+        held = size if held and held + size > REPLAY_ELEMENTS else held + size
+        chunk = max(chunk, held)
+    return chunk
 
 
 def _decoupled(optimizer: torch.optim.Optimizer) -> bool:

@@ -129,3 +129,10 @@ def test_the_replay_in_chunks_of_tensors_judges_as_the_whole_replay(monkeypatch,
     custom = type("Joined", (torch.optim.SGD,), {})(params, lr=0.1)
     assert len(stepwatch._chunks(custom, params)) == 1
     assert len(stepwatch._chunks(torch.optim.SGD(params, lr=0.1), params)) == 2
+    # what the float64 check's memory need counts for the replay: its largest chunk
+    monkeypatch.setattr(stepwatch, "REPLAY_ELEMENTS", 4)
+    many = [torch.nn.Parameter(torch.ones(n)) for n in (3, 1, 2, 9, 1, 1)]
+    sgd = torch.optim.SGD(many, lr=0.1)
+    assert stepwatch.replay_chunk(sgd, [p.numel() for p in many]) == \
+        max(sum(p.numel() for p in chunk) for chunk in stepwatch._chunks(sgd, many)) == 9
+    assert stepwatch.replay_chunk(custom, [3, 2]) == 5 and stepwatch.replay_chunk(None, [3, 1, 2]) == 4
