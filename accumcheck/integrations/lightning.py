@@ -213,7 +213,8 @@ class AccumulationCheck(pl.Callback):
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
         if self.every is not None:
-            notes[1] = sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every, "the fit trained as written")
+            notes[1] = sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every, "the fit trained as written",
+                                    recorder.unsplit)
         notes += [note for note in (budget_note(self._own, self._module, [], sampled=self.every is not None),) if note]
         budget = ("" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}") + \
             ("" if self.every is None else f", every={self.every}")

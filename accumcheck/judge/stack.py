@@ -194,6 +194,12 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
                                     "the check", idle="the run", idle_fix="run at least one optimizer step")
     if not windows and not micro_batches_seen:
         raise NothingJudgedError(_nothing_judged(coverage))
+    if not windows and stepped:  # a sampled run stepped, and none of its chosen windows could be judged
+        missed = next((n.split("; not judged, ", 1)[1].split(";", 1)[0] for n in notes or []
+                       if "; not judged, " in n), "")
+        raise NothingJudgedError(f"{coverage.who}: no optimizer step could be judged"
+                                 f"{' (' + missed + ')' if missed else ''}; check a few steps with the stack's own "
+                                 "check, which joins a window that cannot be split")
     stepped = {i for w in windows for i in w.micro_batches} | (stepped or set())
     if reference_dtype != "float64" and precision == "float64":  # the run and its reference in the model's dtype
         precision = reference_dtype

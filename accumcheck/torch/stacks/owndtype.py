@@ -107,13 +107,20 @@ def sampled_reference(memory_budget: Any, model: torch.nn.Module, accum_steps: C
     return own
 
 
-def sampled_note(judged_why: dict[int, str], optimizer_steps: int, every: int, ran: str) -> str:
-    """How a sampled check's report says which steps it judged, and why each."""
+def sampled_note(judged_why: dict[int, str], optimizer_steps: int, every: int, ran: str,
+                 unsplit: dict[int, str] | None = None) -> str:
+    """How a sampled check's report says which steps it judged, and why each; and which chosen
+    steps it could not judge (``unsplit``: their loss cannot be split micro-batch by micro-batch)."""
     listed = ", ".join(f"{step}" + ("" if why.startswith("one step in") else f" ({why})")
                        for step, why in judged_why.items())
+    missed = ""
+    if unsplit:
+        steps = ", ".join(map(str, unsplit))
+        missed = (f"; not judged, their loss not split micro-batch by micro-batch, as a live run needs: step"
+                  f"{'s' * (len(unsplit) != 1)} {steps} ({next(iter(unsplit.values()))})")
     return (f"sampled in your run: {len(judged_why)} of {optimizer_steps} optimizer steps judged, one in {every} and "
-            f"every window of a new length (steps {listed or 'none'}); {ran}, untouched, its dropout replayed for the "
-            "reference")
+            f"every window of a new length (steps {listed or 'none'}){missed}; {ran}, untouched, its dropout "
+            "replayed for the reference")
 
 
 def checked_every(every: Any, who: str) -> int | None:

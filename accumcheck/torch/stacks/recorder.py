@@ -93,6 +93,9 @@ class StackRecorder:
         self.judged_why: dict[int, str] = {}  # sampled: the optimizer steps judged, and why each
         self._rng: list[Any] = []  # sampled: torch's random states as each pending micro-batch began
         self._last_length: int | None = None
+        # sampled: steps whose window was chosen but whose loss cannot be split micro-batch by micro-batch
+        # (a live run cannot hold the window as one batch), and why; the next window is judged in its place
+        self.unsplit: dict[int, str] = {}
 
     @property
     def seen_everywhere(self) -> int:
@@ -257,6 +260,8 @@ class StackRecorder:
         self._last_length = length
         if step % self.every == 0:
             why = why or f"one step in {self.every}"
+        if self.unsplit and max(self.unsplit) == step - 1 and not why:
+            why = f"in place of step {step - 1}, whose window could not be split"
         if why:
             self.judged_why[step] = why
             return True
@@ -278,9 +283,16 @@ class StackRecorder:
         try:
             with torch.enable_grad():
                 with _dropout_free(module, self.every is not None):  # the probe compares rows: no random draws
-                    plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
+                    # a live run is never stopped by its check: a window that cannot be split is let go, said
+                    choice = "auto" if self.every is not None else self.window_reference
+                    plan = plan_reference(choice, module, batches, self.labelled, self.window_loss,
                                           self.join_window, by_design) \
                         if len(batches) > 1 else ReferencePlan(True, "one micro-batch", (1.0,))
+                if self.every is not None and not plan.split:
+                    self.unsplit[self.optimizer_steps] = plan.note
+                    self.judged_why.pop(self.optimizer_steps, None)
+                    self._done(indices)
+                    return
                 counts = [item_count(b, self.labelled) for b in batches]
                 predicted = [predicted_count(b) for b in batches]
                 window = StackWindow(step=self.optimizer_steps if self.every is not None else len(self.windows),

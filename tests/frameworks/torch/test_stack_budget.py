@@ -524,3 +524,78 @@ def test_the_lightning_check_judges_each_window_after_its_step_and_holds_one_at_
         (["faithful"] * 4 if scale == 1.0 else ["constant-factor"] * 4)
     assert [s.explanation for s in report.steps] == [s.explanation for s in kept.steps]
     assert report.exit_code == kept.exit_code == (0 if scale == 1.0 else 1)
+
+
+def test_a_live_run_is_never_stopped_by_a_window_its_sampled_check_cannot_split(monkeypatch):
+    """The sampled check in a real run: a chosen window whose loss cannot be split micro-batch by
+    micro-batch (here, the first, as the probe may find where a fresh model's rows lose alike) is
+    let go and said, the run trains on untouched, and the next window is judged in its place."""
+    from accumcheck.torch.stacks import recorder as recording
+
+    plain, _ = live_loop()
+    plan, calls = recording.plan_reference, []
+
+    def first_undecided(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 1:
+            return recording.ReferencePlan(False, "the rows probed cannot tell a mean over A from a mean over B")
+        return plan(*args, **kwargs)
+    monkeypatch.setattr(recording, "plan_reference", first_undecided)
+    model, report = live_loop(every=4)
+    assert set(calls) == {"auto"}  # never the refusing "micro-batches" in a live run
+    assert [(s.step, s.verdict) for s in report.steps] == [(1, "faithful"), (2, "faithful"), (3, "faithful"),
+                                                           (4, "faithful"), (5, "faithful")]
+    note = next(n for n in report.notes if n.startswith("sampled in your run"))
+    assert "1 (in place of step 0, whose window could not be split)" in note
+    assert "not judged, their loss not split micro-batch by micro-batch, as a live run needs: step 0 (the rows" in note
+    assert report.exit_code == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_sampled_run_none_of_whose_windows_splits_trains_on_and_passes_nothing():
+    """BatchNorm computes over the batch, so no window of this loop splits: the loop trains to its
+    end as without the check, and its report is no pass (NothingJudgedError, saying why)."""
+    def train(every=None):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, y = torch.randn(N * 3 * 3, 4), torch.randint(0, 3, (N * 3 * 3,))
+        check = AccumulationCheck(net, opt, loss_fn=torch.nn.functional.cross_entropy, every=every) if every else None
+        batches = list(zip(x.split(3), y.split(3)))
+        with check or contextlib.nullcontext():
+            feed = check.batches(batches) if check else iter(batches)
+            for i, (xb, yb) in enumerate(feed):
+                (torch.nn.functional.cross_entropy(net(xb), yb) / N).backward()
+                if (i + 1) % N == 0:
+                    opt.step()
+                    opt.zero_grad()
+        return net, check
+
+    plain, _ = train()
+    net, check = train(every=2)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), net.state_dict().values()))
+    with pytest.raises(NothingJudgedError, match=r"no optimizer step could be judged \(.*steps 0, 1, 2 \(BatchNorm1d "
+                                                 r"'1' computes over the batch\)\)"):
+        check.report
+
+
+def test_the_trainer_trains_on_where_its_sampled_check_cannot_split_a_window(tmp_path, hf, monkeypatch):
+    """transformers.watch: the first window undecided by the probe is let go (never a refusal that
+    stops the user's Trainer), the run ends untouched, the next window is judged in its place."""
+    from accumcheck.torch.stacks import recorder as recording
+
+    _, stack = hf
+    plain, _ = sampled_run(tmp_path / "plain", stack, watched=False)
+    plan, calls = recording.plan_reference, []
+
+    def first_undecided(choice, *args, **kwargs):  # as plan_reference does where the probe cannot decide
+        calls.append(choice)
+        if len(calls) > 1:
+            return plan(choice, *args, **kwargs)
+        if choice == "micro-batches":
+            raise AccumcheckError("stack check: reference='micro-batches', but this window's loss cannot be split")
+        return recording.ReferencePlan(False, "the rows probed cannot tell")
+    monkeypatch.setattr(recording, "plan_reference", first_undecided)
+    model, report = sampled_run(tmp_path / "watched", stack)
+    assert [s.step for s in report.steps] == [1, 3, 5, 6, 9, 11] and report.exit_code == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
