@@ -215,7 +215,8 @@ class AccumulationCheck(pl.Callback):
         if self.every is not None:
             notes[1] = sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every, "the fit trained as written",
                                     recorder.unsplit)
-        notes += [note for note in (budget_note(self._own, self._module, [], sampled=self.every is not None),) if note]
+        notes += [note for note in (budget_note(self._own, self._module, [], sampled=self.every is not None,
+                                                            unsplit=recorder.unsplit),) if note]
         budget = ("" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}") + \
             ("" if self.every is None else f", every={self.every}")
         return stack_report("lightning", type(self._module).__name__, n, recorder.windows, recorder.seen_everywhere,
@@ -225,7 +226,7 @@ class AccumulationCheck(pl.Callback):
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
                             reference_dtype="float64" if self._own is None else recorder.computed,
-                            stepped=recorder.stepped_indices if self.every is not None else None)
+                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None)
 
 
 def _idle_fix(trainer: Any) -> str:

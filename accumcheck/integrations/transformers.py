@@ -163,7 +163,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
              "optimizer, scheduler, Trainer state and random states were put back after it"]
     if world.parallel:
         notes.append(data_parallel_note(world, getattr(args, "average_tokens_across_devices", None)))
-    notes += [n for n in (budget_note(own, model, optimizers),) if n]
+    notes += [n for n in (budget_note(own, model, optimizers, unsplit=recorder.unsplit),) if n]
     coverage = recorder.coverage("transformers.check", "the Trainer's training_step",
                                  "let the Trainer's own loop feed its micro-batches (a training loop of your own: "
                                  "accumcheck.integrations.accelerate)", "the Trainer", _idle_fix(args))
@@ -173,7 +173,8 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                                   f"{reference_keyword(window_reference)}"
                                   f"{'' if memory_budget is None else f', memory_budget={memory_budget!r}'})",
                         micro_batches_expected=expected, coverage=coverage, world_size=world.size,
-                        reference_dtype="float64" if own is None else recorder.computed)
+                        reference_dtype="float64" if own is None else recorder.computed,
+                        stepped=recorder.stepped_indices if recorder.unsplit else None)
 
 
 class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sampled``)

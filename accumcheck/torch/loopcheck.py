@@ -328,7 +328,8 @@ class AccumulationCheck:
             ran = "float64" if self.own is None else f"its own dtype ({recorder.computed})"
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in {ran}; the "
                          f"{self.restored} were put back after the run")
-            notes += [n for n in (budget_note(self.own, self.model, [self.optimizer]),) if n]
+            notes += [n for n in (budget_note(self.own, self.model, [self.optimizer], unsplit=recorder.unsplit),)
+                      if n]
         if world.parallel:
             notes.append(f"data parallel: {world.size} ranks ({world.backend}); each step's window is every rank's "
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
@@ -346,7 +347,7 @@ class AccumulationCheck:
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
                             reference_dtype="float64" if self.own is None else recorder.computed,
-                            stepped=recorder.stepped_indices if self.every is not None else None)
+                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None)
 
     def _accum_steps(self) -> int:
         """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""

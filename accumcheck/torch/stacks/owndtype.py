@@ -131,10 +131,14 @@ def checked_every(every: Any, who: str) -> int | None:
 
 
 def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizers: list[Any],
-                sampled: bool = False) -> str:
-    """How a report says what its memory budget chose."""
+                sampled: bool = False, unsplit: dict[int, str] | None = None) -> str:
+    """How a report says what its memory budget chose (and, ``unsplit``, the steps it let go)."""
     if own is None or own.budget is None:
         return ""
+    missed = ""
+    if unsplit and not sampled:
+        missed = (f"; not judged, the probe undecided between two readings of the loss on their rows: step"
+                  f"{'s' * (len(unsplit) != 1)} {', '.join(map(str, unsplit))} ({next(iter(unsplit.values()))})")
     groups = len(own.groups or ())
     if sampled:
         return (f"memory budget {size_text(own.budget)}: each judged window's reference in {groups} "
@@ -143,7 +147,7 @@ def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizer
             f"{size_text(float64_need(model, optimizers))}, so each window's reference is computed in the model's "
             f"own dtype micro-batch by micro-batch and summed in float64, in {groups} group{'s' * (groups != 1)} of "
             "tensors, and judged within the round-off of both dtypes (the bound each step states); the update's "
-            "replay in float64 is off, its counts are kept")
+            f"replay in float64 is off, its counts are kept{missed}")
 
 
 def tensor_needs(named: list[tuple[str, torch.Tensor]]) -> list[TensorNeed]:

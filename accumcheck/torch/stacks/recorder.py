@@ -93,8 +93,9 @@ class StackRecorder:
         self.judged_why: dict[int, str] = {}  # sampled: the optimizer steps judged, and why each
         self._rng: list[Any] = []  # sampled: torch's random states as each pending micro-batch began
         self._last_length: int | None = None
-        # sampled: steps whose window was chosen but whose loss cannot be split micro-batch by micro-batch
-        # (a live run cannot hold the window as one batch), and why; the next window is judged in its place
+        # in its own dtype: steps whose window was let go, its loss not split micro-batch by micro-batch (a live
+        # run cannot hold the window as one batch; under a budget, the probe undecided), and why; sampled, the
+        # next window is judged in its place
         self.unsplit: dict[int, str] = {}
 
     @property
@@ -288,14 +289,17 @@ class StackRecorder:
                     plan = plan_reference(choice, module, batches, self.labelled, self.window_loss,
                                           self.join_window, by_design) \
                         if len(batches) > 1 else ReferencePlan(True, "one micro-batch", (1.0,))
-                if self.every is not None and not plan.split:
+                # under a budget too, a window the probe could not decide on is let go (a later one may)
+                if not plan.split and (self.every is not None or plan.undecided):
                     self.unsplit[self.optimizer_steps] = plan.note
                     self.judged_why.pop(self.optimizer_steps, None)
                     self._done(indices)
                     return
                 counts = [item_count(b, self.labelled) for b in batches]
                 predicted = [predicted_count(b) for b in batches]
-                window = StackWindow(step=self.optimizer_steps if self.every is not None else len(self.windows),
+                # numbered by the optimizer step where windows were let go (sampled, or undecided under a budget)
+                numbered = self.every is not None or self.unsplit
+                window = StackWindow(step=self.optimizer_steps if numbered else len(self.windows),
                                      micro_batches=indices, applied={}, window={},
                                      item_counts=None if None in counts else counts,
                                      predicted_counts=None if None in predicted else predicted,

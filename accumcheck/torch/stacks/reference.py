@@ -48,6 +48,9 @@ class ReferencePlan:
     split: bool
     note: str
     weights: tuple[float, ...] = ()
+    # not split because the probe could not tell two readings of the loss apart on this window's rows
+    # (a fresh model's rows lose about alike): another window may decide
+    undecided: bool = False
 
     @property
     def reference(self) -> str:
@@ -78,13 +81,15 @@ def plan_reference(choice: str, module: torch.nn.Module, batches: list[Any], lab
     if len(batches) < 2:
         return ReferencePlan(False, "one micro-batch")
     why = _split_plan(module, batches, labelled, window_loss, join_window, by_design)
-    if isinstance(why, ReferencePlan):
+    if isinstance(why, ReferencePlan) and why.split:
         return why
+    undecided = isinstance(why, ReferencePlan)
+    why = why.note if isinstance(why, ReferencePlan) else why
     if choice == "micro-batches":
         raise AccumcheckError(f"stack check: reference='micro-batches', but this window's loss cannot be computed "
                               f"micro-batch by micro-batch: {why}; use reference='auto' (the window as one batch "
                               "where it cannot be split)")
-    return ReferencePlan(False, why)
+    return ReferencePlan(False, why, undecided=undecided)
 
 
 def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, window_loss: Callable[[Any, Any], Any],
@@ -105,7 +110,7 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
     row_counts = {name: [_row_counts(b, labelled, name) for b in batches] for name in counts}
     if any(r is None or len(r) != n for per in row_counts.values() for r, n in zip(per, rows)):
         return "the rows' item counts are unknown"
-    why = "no two rows to probe"
+    why: str | ReferencePlan = "no two rows to probe"
     for a, b in _probe_pairs(row_counts[next(iter(counts))]):
         found = _probe(a, b, module, batches, window_loss, join_window, counts, row_counts, rows)
         if not isinstance(found, tuple):
@@ -115,7 +120,7 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
             total = sum(counts[name])
             return ReferencePlan(True, f"each micro-batch's own loss weighted by its share of the window's {name}, "
                                        "summed in float64", tuple(c / total for c in counts[name]))
-        why = undecided
+        why = ReferencePlan(False, undecided, undecided=True)
     return why
 
 

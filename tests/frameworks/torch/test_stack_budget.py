@@ -40,9 +40,9 @@ from accumcheck.torch.stacks import owndtype  # noqa: E402
 TIGHT = owndtype.least_budget(list(TokenLM().named_parameters()))
 
 
-def budget_loop(budget, fault=None, windows=3, seed=1):
+def budget_loop(budget, fault=None, windows=3, seed=1, model=None):
     """test_stack_reference's loop over N-micro-batch windows under ``memory_budget``."""
-    model = TokenLM()
+    model = model or TokenLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = token_batches(N * windows, variable=fault is None, seed=seed)  # the fault's on equal micro-batches
     items = [sum(int((b["labels"] != -100).sum()) for b in data[w * N:(w + 1) * N]) for w in range(windows)]
@@ -599,3 +599,28 @@ def test_the_trainer_trains_on_where_its_sampled_check_cannot_split_a_window(tmp
     model, report = sampled_run(tmp_path / "watched", stack)
     assert [s.step for s in report.steps] == [1, 3, 5, 6, 9, 11] and report.exit_code == 0
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_under_a_budget_a_window_the_probe_cannot_decide_is_let_go_and_a_later_one_judged():
+    """A head of zeros loses ln(V) on every token, so every row loses alike and the probe cannot
+    tell a mean over items from a mean over rows: the first window is let go, said, and the
+    windows after the first step (whose rows lose differently) are judged; a structural case
+    (BatchNorm) is still refused (test_a_window_that_cannot_be_split_is_refused_under_a_budget)."""
+    from accumcheck.torch.stacks.batches import join_padded
+    from accumcheck.torch.stacks.reference import plan_reference
+
+    def zeroed():
+        model = TokenLM()
+        with torch.no_grad():
+            model.head.weight.zero_()
+            model.head.bias.zero_()
+        return model
+
+    plan = plan_reference("auto", zeroed(), token_batches(N), False, lambda m, b: m(**b)["loss"], join_padded, [])
+    assert not plan.split and plan.undecided and "cannot tell" in plan.note
+    _, _, report = budget_loop(owndtype.float64_need(zeroed(), []) - 1, model=zeroed())
+    assert [(s.step, s.verdict) for s in report.steps] == [(1, "faithful"), (2, "faithful")] and report.exit_code == 0
+    assert any("not judged, the probe undecided between two readings of the loss on their rows: step 0" in n
+               for n in report.notes)
+    with pytest.raises(NothingJudgedError, match=r"no optimizer step could be judged"):
+        budget_loop(owndtype.float64_need(zeroed(), []) - 1, model=zeroed(), windows=1)
