@@ -226,7 +226,8 @@ class AccumulationCheck(pl.Callback):
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
                             reference_dtype="float64" if self._own is None else recorder.computed,
-                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None)
+                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None,
+                            let_go=recorder.unsplit)
 
 
 def _idle_fix(trainer: Any) -> str:

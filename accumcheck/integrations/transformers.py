@@ -174,7 +174,7 @@ def check(trainer: Any, steps: int | None = None, terms: Mapping[str, Callable[[
                                   f"{'' if memory_budget is None else f', memory_budget={memory_budget!r}'})",
                         micro_batches_expected=expected, coverage=coverage, world_size=world.size,
                         reference_dtype="float64" if own is None else recorder.computed,
-                        stepped=recorder.stepped_indices if recorder.unsplit else None)
+                        stepped=recorder.stepped_indices if recorder.unsplit else None, let_go=recorder.unsplit)
 
 
 class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sampled``)
@@ -241,7 +241,7 @@ class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sample
                             {"transformers": transformers.__version__, **_versions()}, [n for n in notes if n],
                             reproduce=f"accumcheck.integrations.transformers.watch(trainer, every={self.every})",
                             coverage=coverage, world_size=recorder.world.size, reference_dtype=recorder.computed,
-                            stepped=recorder.stepped_indices)
+                            stepped=recorder.stepped_indices, let_go=recorder.unsplit)
 
 
 def data_parallel_note(world: Any, average_tokens: bool | None) -> str:

@@ -180,7 +180,8 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
                  versions: dict[str, str], notes: list[str] | None = None, reproduce: str = "",
                  precision: str = "float64", micro_batches_expected: int | None = None,
                  coverage: Coverage | None = None, world_size: int = 1,
-                 reference_dtype: str = "float64", stepped: set[int] | None = None) -> StackReport:
+                 reference_dtype: str = "float64", stepped: set[int] | None = None,
+                 let_go: dict[int, str] | None = None) -> StackReport:
     """The report of a stack's run: every window judged; the micro-batches that ran but are in no
     window are the ones never stepped on.
 
@@ -189,17 +190,16 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
     step at all), and AccumcheckError where optimizer steps with no recorded micro-batch would leave
     a report that passes; a report flagged anyway keeps its findings and says which steps were not
     judged. So no StackReport made here has exit code 0 with nothing judged. ``stepped``: the
-    micro-batches that reached a step where not every window was judged (a sampled check)."""
+    micro-batches that reached a step where not every window was judged (a sampled check); ``let_go``:
+    the steps whose window was let go unjudged, and why (``let_go_text``)."""
     coverage = coverage or Coverage(who=f"{stack} check", feed="the check", fix="feed every micro-batch through "
                                     "the check", idle="the run", idle_fix="run at least one optimizer step")
     if not windows and not micro_batches_seen:
         raise NothingJudgedError(_nothing_judged(coverage))
-    if not windows and stepped:  # a sampled run stepped, and none of its chosen windows could be judged
-        missed = next((n.split("; not judged, ", 1)[1].split(";", 1)[0] for n in notes or []
-                       if "; not judged, " in n), "")
+    if not windows and stepped:  # the run stepped, and none of its windows could be judged (all let go)
         raise NothingJudgedError(f"{coverage.who}: no optimizer step could be judged"
-                                 f"{' (' + missed + ')' if missed else ''}; check a few steps with the stack's own "
-                                 "check, which joins a window that cannot be split")
+                                 f"{f' (not judged: {let_go_text(let_go)})' if let_go else ''}; check a few steps "
+                                 "with the stack's own check, which joins a window that cannot be split")
     stepped = {i for w in windows for i in w.micro_batches} | (stepped or set())
     if reference_dtype != "float64" and precision == "float64":  # the run and its reference in the model's dtype
         precision = reference_dtype
@@ -217,6 +217,11 @@ def stack_report(stack: str, model: str, accum_steps: int, windows: list[StackWi
             raise AccumcheckError(f"{coverage.who}: {unjudged}; {coverage.fix}, and step once per window")
         report.notes.append(unjudged)
     return report
+
+
+def let_go_text(let_go: dict[int, str]) -> str:
+    """The steps whose window was let go, and the first one's reason: "steps 0, 2 (why)"."""
+    return f"step{'s' * (len(let_go) != 1)} {', '.join(map(str, let_go))} ({next(iter(let_go.values()))})"
 
 
 def _split_windows(steps: list[StackStep]) -> None:

@@ -347,7 +347,8 @@ class AccumulationCheck:
                             coverage=coverage, world_size=world.size,
                             precision="float64" if recorder.precision is None else recorder.precision.reduction,
                             reference_dtype="float64" if self.own is None else recorder.computed,
-                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None)
+                            stepped=recorder.stepped_indices if self.every is not None or recorder.unsplit else None,
+                            let_go=recorder.unsplit)
 
     def _accum_steps(self) -> int:
         """N, from the windows the loop stepped on: the most micro-batches one rank gave a step."""

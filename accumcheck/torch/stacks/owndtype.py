@@ -25,7 +25,7 @@ import torch
 
 from ...errors import AccumcheckError
 from ...files import size_text
-from ...judge.stack import judge_groups, judge_window
+from ...judge.stack import judge_groups, judge_window, let_go_text
 from ...options.values import byte_count
 from ...report import StackStep
 from ...run.budget import ALLOCATOR, FIXED_BYTES, TensorNeed, minimum, plan
@@ -113,11 +113,8 @@ def sampled_note(judged_why: dict[int, str], optimizer_steps: int, every: int, r
     steps it could not judge (``unsplit``: their loss cannot be split micro-batch by micro-batch)."""
     listed = ", ".join(f"{step}" + ("" if why.startswith("one step in") else f" ({why})")
                        for step, why in judged_why.items())
-    missed = ""
-    if unsplit:
-        steps = ", ".join(map(str, unsplit))
-        missed = (f"; not judged, their loss not split micro-batch by micro-batch, as a live run needs: step"
-                  f"{'s' * (len(unsplit) != 1)} {steps} ({next(iter(unsplit.values()))})")
+    missed = f"; not judged, their loss not split micro-batch by micro-batch, as a live run needs: " \
+        f"{let_go_text(unsplit)}" if unsplit else ""
     return (f"sampled in your run: {len(judged_why)} of {optimizer_steps} optimizer steps judged, one in {every} and "
             f"every window of a new length (steps {listed or 'none'}){missed}; {ran}, untouched, its dropout "
             "replayed for the reference")
@@ -135,10 +132,8 @@ def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizer
     """How a report says what its memory budget chose (and, ``unsplit``, the steps it let go)."""
     if own is None or own.budget is None:
         return ""
-    missed = ""
-    if unsplit and not sampled:
-        missed = (f"; not judged, the probe undecided between two readings of the loss on their rows: step"
-                  f"{'s' * (len(unsplit) != 1)} {', '.join(map(str, unsplit))} ({next(iter(unsplit.values()))})")
+    missed = f"; not judged, the probe undecided between two readings of the loss on their rows: " \
+        f"{let_go_text(unsplit)}" if unsplit and not sampled else ""
     groups = len(own.groups or ())
     if sampled:
         return (f"memory budget {size_text(own.budget)}: each judged window's reference in {groups} "

@@ -13,7 +13,7 @@ micro-step, and Adam's step count (its bias correction) advanced at every micro-
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -187,16 +187,15 @@ class StepWatch:
         error, tried = 0.0, {cause: 0.0 for cause in causes}
         for chunk in _chunks(optimizer, params):
             handed = {id(p): p.grad.detach().to(torch.float64) for p in chunk}
-            applied = {self._name(p): to_numpy(p.detach().to(torch.float64) - start.data[id(p)].to(torch.float64))
-                       for p in chunk}
+            began = {self._name(p): start.data[id(p)].to(torch.float64) for p in chunk}
+            applied = {self._name(p): to_numpy(p.detach().to(torch.float64) - began[self._name(p)]) for p in chunk}
             expected = self._replayed(start, handed, micro)
-            scale = {name: np.abs(to_numpy(start.data[id(p)].to(torch.float64))) + np.abs(expected[name]) + lr
-                     for p in chunk for name in (self._name(p),)}
+            scale = {name: np.abs(to_numpy(value)) + np.abs(expected[name]) + lr for name, value in began.items()}
             error = max(error, update_error(applied, expected, scale, update.dtype))
             for cause, how in causes.items():
                 tried[cause] = max(tried[cause], update_error(applied, self._replayed(start, handed, micro, **how),
                                                               scale, update.dtype))
-            del handed, applied, expected, scale
+            del handed, began, applied, expected, scale
         update.error, update.tried = error, tried
 
     def _replayed(self, start: _Start, handed: dict[int, torch.Tensor], micro: int, decay: bool = False,
@@ -243,33 +242,28 @@ def _steps_of(scheduler: Any) -> Any:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def _chunks(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The parameters in chunks of at most REPLAY_ELEMENTS elements (a larger tensor alone) where
-    the optimizer is one of torch.optim's that update each parameter from its own gradient and
-    state (PER_TENSOR); any other optimizer's in one chunk, as its step may join them."""
-    if type(optimizer) not in PER_TENSOR:
-        return [params]
-    chunks: list[list[torch.Tensor]] = [[]]
+def _chunks(optimizer: Any, items: list[Any], size: Callable[[Any], int] = torch.Tensor.numel) -> list[list[Any]]:
+    """``items`` (parameters, or their sizes) in chunks of at most REPLAY_ELEMENTS elements (a
+    larger one alone) where the optimizer is one of torch.optim's that update each parameter from
+    its own gradient and state (PER_TENSOR; None, one not made yet, is counted as the Trainer's
+    AdamW); any other optimizer's in one chunk, as its step may join them."""
+    if optimizer is not None and type(optimizer) not in PER_TENSOR:
+        return [items]
+    chunks: list[list[Any]] = [[]]
     held = 0
-    for p in params:
-        if chunks[-1] and held + p.numel() > REPLAY_ELEMENTS:
+    for item in items:
+        if chunks[-1] and held + size(item) > REPLAY_ELEMENTS:
             chunks.append([])
             held = 0
-        chunks[-1].append(p)
-        held += p.numel()
+        chunks[-1].append(item)
+        held += size(item)
     return chunks
 
 
 def replay_chunk(optimizer: Any, sizes: list[int]) -> int:
     """The elements of the largest chunk the update's replay holds at once, for parameters of
-    ``sizes`` elements (an optimizer not made yet, None, is counted as the Trainer's AdamW)."""
-    if optimizer is not None and type(optimizer) not in PER_TENSOR:
-        return sum(sizes)
-    chunk = held = 0
-    for size in sizes:
-        held = size if held and held + size > REPLAY_ELEMENTS else held + size
-        chunk = max(chunk, held)
-    return chunk
+    ``sizes`` elements."""
+    return max((sum(chunk) for chunk in _chunks(optimizer, sizes, int)), default=0)
 
 
 def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
