@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -226,12 +227,30 @@ def _added(measured: dict) -> float:
 
 
 def _groups(measured: dict, name: str = "budget") -> str:
-    """How many groups of tensors a budgeted check ran, from its report's note."""
+    """How many groups of tensors a budgeted check ran, from its report's note; for the quarter's
+    budget, also the fewest any grouping could run (``least_groups``)."""
     found = re.search(r"in (\d+) groups? of tensors", " ".join(measured["runs"][name][0]["notes"]))
     if not found:
         return "the float64 check: its count fits the budget"
     groups = int(found.group(1))
-    return f"{groups} group{'s' * (groups != 1)} of tensors, each one more pass over the window"
+    ran = f"{groups} group{'s' * (groups != 1)} of tensors, each one more pass over the window"
+    if name != "budget":
+        return ran
+    least, sums, room = least_groups(measured["parameters"], measured["budget"])
+    return (f"{ran}; no grouping can "
+            f"run fewer than {least}: the window's float64 sums alone, with the allocator's margin, are "
+            f"{sums / 2**30:.2f} GiB against the {room / 2**30:.2f} GiB the budget leaves beside accumcheck's code")
+
+
+def least_groups(parameters: int, budget: int) -> tuple[int, int, int]:
+    """The fewest groups any plan within ``budget`` runs, counting only what cannot be left out: each
+    parameter's float64 sum over the window (``owndtype.SUMS_BYTES``, with ``run.budget.ALLOCATOR``'s
+    margin) in the room beside ``run.budget.FIXED_BYTES``; with those bytes and that room."""
+    from accumcheck.run.budget import ALLOCATOR, FIXED_BYTES
+    from accumcheck.torch.stacks.owndtype import SUMS_BYTES
+
+    sums, room = math.ceil(parameters * SUMS_BYTES * ALLOCATOR), budget - FIXED_BYTES
+    return max(1, math.ceil(sums / room)), sums, room
 
 
 def main() -> int:
