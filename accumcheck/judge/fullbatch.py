@@ -22,6 +22,7 @@ from ..report.single import factor_text
 from ..run.results import FullBatchGap, Hypotheses
 from .candidates import Candidate, factor_candidates, run_figures
 from .hypotheses import micro_sum_fit, missing_micro_batches, missing_sentence, rank_fit, term_fits
+from .pieces import all_finite, dot, max_abs, squared_distance, squared_norm
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.
@@ -257,8 +258,8 @@ def micro_sum_sentence(factor: float, takes_item_count: bool | None, window: int
 def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> tuple[float, str]:
     """max |A - F| over all tensors, relative to F's largest element (1 where F is all zero), and
     the tensor where it is."""
-    top = max((float(np.max(np.abs(f), initial=0.0)) for f in full.values()), default=0.0) or 1.0
-    gaps = {name: float(np.max(np.abs(accumulated[name] - f), initial=0.0)) / top for name, f in full.items()}
+    top = max((max_abs(f) for f in full.values()), default=0.0) or 1.0
+    gaps = {name: max_abs(accumulated[name], f) / top for name, f in full.items()}
     gaps = {name: gap if not math.isnan(gap) else math.inf for name, gap in gaps.items()}  # nan: no agreement
     worst = max(gaps, key=gaps.get, default="")
     return gaps.get(worst, 0.0), worst
@@ -267,18 +268,16 @@ def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.nd
 def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> FactorFit:
     """The least-squares factors of A = cF over the tensors that carry signal (``silent_tensors``
     are left out); non-finite gradients have none."""
-    # one tensor at a time in float64: A may be held in its own dtype, and no copy of all of it is made
-    def pair(name: str) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(accumulated[name], np.float64).ravel(), np.asarray(full[name], np.float64).ravel()
-
-    if not all(np.isfinite(accumulated[name]).all() and np.isfinite(f).all() for name, f in full.items()):
+    # one tensor at a time, a piece at a time, in float64: A may be held in its own dtype, and no
+    # float64 copy of all of it is made (``pieces``)
+    if not all(all_finite(accumulated[name]) and all_finite(f) for name, f in full.items()):
         return FactorFit(None, finite=False)
     silent = silent_tensors(accumulated, full)
     names = [name for name in full if name not in silent]
     af, ff, norms = {}, {}, {}
     for name in names:
-        a, f = pair(name)
-        af[name], ff[name], norms[name] = float(a @ f), float(f @ f), float(np.linalg.norm(a))
+        a, f = accumulated[name], full[name]
+        af[name], ff[name], norms[name] = dot(a, f), dot(f, f), math.sqrt(squared_norm(a))
     total = math.sqrt(sum(n * n for n in norms.values()))
     if sum(ff.values()) == 0:
         return FactorFit(None, accumulated_zero=total == 0, silent=silent)
@@ -289,8 +288,7 @@ def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) 
                 for name in names if name in factors or norms[name] > 0}
     left = {}
     for name in names:
-        a, f = pair(name)
-        left[name] = float(np.linalg.norm(a - c * f))
+        left[name] = math.sqrt(squared_distance(accumulated[name], full[name], c))
     furthest = max(distance, key=distance.get, default="")
     spread = max((abs(x - c) for x in factors.values()), default=0.0) / abs(c) if c else math.inf
     return FactorFit(c, factors, furthest, spread, _ratio(math.sqrt(sum(x * x for x in left.values())), total),
@@ -302,7 +300,7 @@ def silent_tensors(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarra
     a tensor zero in exact arithmetic, whose factor would be noise. Not one where A has a gradient
     and F has none: that is a finding."""
     def top(grads: dict[str, np.ndarray]) -> dict[str, float]:
-        return {name: float(np.max(np.abs(g), initial=0.0)) for name, g in grads.items()}
+        return {name: max_abs(g) for name, g in grads.items()}
 
     a_top, f_top = top({name: accumulated[name] for name in full}), top(full)
     a_max, f_max = max(a_top.values(), default=0.0), max(f_top.values(), default=0.0)

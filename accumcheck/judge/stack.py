@@ -17,14 +17,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..bounds import UNIT_ROUNDOFF, gamma
 from ..errors import AccumcheckError, NothingJudgedError
 from ..report import StackReport, StackStep
 from ..report.stack import StepPrecisionFit
 from ..run.results import FullBatchGap, StackWindow, StepPrecision
 from .fullbatch import SEMANTIC_TOLERANCE, full_batch_verdict
+from .pieces import sum_of_squares
 from .update import judge_update
 
 # The micro-batches' own gradients, computed in a dtype of unit round-off u, are allowed
@@ -122,7 +121,7 @@ def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
             2 * UNIT_ROUNDOFF["float32"]
 
     top = window_scale(window)
-    gap = math.sqrt(sum(float(np.sum(np.square(window.applied[n] - f))) for n, f in window.window.items()))
+    gap = math.sqrt(sum(sum_of_squares(window.applied[n], f) for n, f in window.window.items()))
     error = gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
     float32 = bound("float32", "float32", "float32")
     lost = [where for where, dtype in (("the local sum", p.accumulation), ("the reduction", p.reduction),
@@ -145,7 +144,7 @@ def window_scale(window: StackWindow) -> float:
     (where only a bound on it was kept, the sum over the micro-batches of their gradients' norms)."""
     if window.absum is None:
         return window.scale_norm or 0.0
-    return math.sqrt(sum(float(np.sum(np.square(s))) for s in window.absum.values()))
+    return math.sqrt(sum(sum_of_squares(s) for s in window.absum.values()))
 
 
 def judge_groups(steps: list[StackStep], note: str) -> StackStep:

@@ -25,6 +25,7 @@ import torch
 
 from ...errors import AccumcheckError
 from ...files import size_text
+from ...judge import pieces
 from ...judge.stack import judge_groups, judge_window, let_go_text
 from ...options.values import byte_count
 from ...report import StackStep
@@ -39,8 +40,8 @@ from .stepwatch import replay_chunk
 # while it is added is counted on top. ||S||, the round-off's scale, is kept as a number per tensor
 # (a sum of norms), not per element.
 SUMS_BYTES = 8
-# The judge's temporaries per element of the tensor it is judging, one tensor at a time: A in float64,
-# |A - F| and A - cF (judge.fullbatch).
+# The judge's temporaries per element of the piece it is judging, one piece of one tensor at a time
+# (``judge.pieces``): A in float64, cF and A - cF.
 JUDGE_BYTES = 24
 # Per element of the float64 check (``recorder.Float64Run``): the parameter and its gradient in
 # float64 beside the run's own, A and F on the host, the parameter's float64 copy at the window's
@@ -148,7 +149,7 @@ def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizer
 def tensor_needs(named: list[tuple[str, torch.Tensor]]) -> list[TensorNeed]:
     """What each tensor's group holds beside the run (``run.budget``)."""
     return [TensorNeed(name, math.ceil(p.numel() * (SUMS_BYTES + p.element_size()) * ALLOCATOR),
-                       p.numel() * JUDGE_BYTES) for name, p in named]
+                       min(p.numel(), pieces.PIECE) * JUDGE_BYTES) for name, p in named]
 
 
 class OwnDtypeReference:

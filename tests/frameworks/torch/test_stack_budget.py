@@ -28,6 +28,7 @@ from test_stack_reference import N, TokenLM, run_classifier, token_batches  # no
 
 from accumcheck.bounds import UNIT_ROUNDOFF  # noqa: E402
 from accumcheck.errors import AccumcheckError, NothingJudgedError  # noqa: E402
+from accumcheck.judge import pieces  # noqa: E402
 from accumcheck.judge.stack import judge_groups, judge_window, precision_fit  # noqa: E402
 from accumcheck.report.stack import SPLIT  # noqa: E402
 from accumcheck.run.budget import FIXED_BYTES  # noqa: E402
@@ -121,16 +122,25 @@ def traced_peak(budget=None, checked=True):
     return peak, model
 
 
-def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it():
+@pytest.mark.parametrize("piece", [None, 1 << 12], ids=["tensors-whole", "tensors-in-pieces"])
+def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it(monkeypatch, piece):
     """What the check holds beside the run (numpy's arrays: the sums F, the judge's temporaries)
-    stays within the budget less the code's share; in one group it is every tensor's at once."""
+    stays within the budget less the code's share, and below what one group of every tensor holds.
+    With pieces smaller than the tensors (96,000 elements each) the judge's temporaries are a
+    piece's, and the least budget, which counts them so, is smaller and still holds."""
+    if piece is not None:
+        monkeypatch.setattr(pieces, "PIECE", piece)
     plain, model = traced_peak(checked=False)
     tight = owndtype.least_budget(list(model.named_parameters()))
     grouped, _ = traced_peak(tight)
     whole, _ = traced_peak()
-    assert grouped - plain <= tight - FIXED_BYTES < whole - plain
+    assert grouped - plain <= tight - FIXED_BYTES
+    assert grouped < whole  # one group: every tensor's sums at once
     sizes = [n.held + n.judging for n in owndtype.tensor_needs(list(model.named_parameters()))]
     assert sum(sizes) > tight - FIXED_BYTES  # the budget forces groups
+    if piece is not None:  # the count of a piece's temporaries, not the tensor's, is what lowers it
+        monkeypatch.setattr(pieces, "PIECE", 1 << 22)
+        assert owndtype.least_budget(list(model.named_parameters())) > tight
 
 
 def test_the_model_optimizer_and_random_states_are_left_as_found_under_a_budget():

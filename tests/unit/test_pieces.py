@@ -1,0 +1,79 @@
+"""The judge reads a large tensor a piece at a time (accumcheck.judge.pieces), so that its float64
+temporaries are of one piece: a tensor of one piece gives the whole-tensor figures bit for bit, a
+larger one the same figures to float64 round-off, nan and inf found in any piece, and the peak the
+judge allocates follows the piece, not the tensor."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from accumcheck.judge import pieces
+from accumcheck.judge.fullbatch import fit_factor, largest_difference
+from accumcheck.torch.stacks.owndtype import JUDGE_BYTES
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # nan in the arithmetic on purpose
+
+
+def arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 0, n)
+    return (f * 0.5 + rng.standard_normal(n) * 1e-9).astype(np.float32), f
+
+
+def test_a_tensor_of_one_piece_gives_the_whole_tensor_figures_bit_for_bit():
+    a, f = arrays(10_000)
+    a64 = a.astype(np.float64)
+    assert pieces.max_abs(f) == float(np.max(np.abs(f), initial=0.0))
+    assert pieces.max_abs(a, f) == float(np.max(np.abs(a - f), initial=0.0))
+    assert pieces.dot(a, f) == float(a64 @ f)
+    assert math.sqrt(pieces.squared_norm(a)) == float(np.linalg.norm(a64))
+    assert math.sqrt(pieces.squared_distance(a, f, 0.3)) == float(np.linalg.norm(a64 - 0.3 * f))
+    assert pieces.sum_of_squares(a, f) == float(np.sum(np.square(a - f)))
+    assert pieces.sum_of_squares(f) == float(np.sum(np.square(f)))
+
+
+def test_a_tensor_of_many_pieces_gives_the_same_figures_to_round_off(monkeypatch):
+    a, f = arrays(10_000)
+    a64 = a.astype(np.float64)
+    monkeypatch.setattr(pieces, "PIECE", 999)  # 11 pieces, the last one short
+    assert len(list(pieces.pieces(a, f))) == 11
+    assert pieces.max_abs(a, f) == float(np.max(np.abs(a - f)))  # a maximum is exact in any order
+    assert pieces.dot(a, f) == pytest.approx(float(a64 @ f), rel=1e-12)
+    assert pieces.squared_norm(a) == pytest.approx(float(a64 @ a64), rel=1e-12)
+    assert pieces.squared_distance(a, f, 0.3) == pytest.approx(float(np.sum(np.square(a64 - 0.3 * f))), rel=1e-12)
+    assert pieces.sum_of_squares(a, f) == pytest.approx(float(np.sum(np.square(a - f))), rel=1e-12)
+    assert pieces.max_abs(np.zeros(0)) == 0.0 and pieces.dot(np.zeros(0), np.zeros(0)) == 0.0
+
+
+@pytest.mark.parametrize("where", [5, 9_995])
+def test_nan_and_inf_in_any_piece_are_found(monkeypatch, where):
+    monkeypatch.setattr(pieces, "PIECE", 999)
+    a, f = arrays(10_000)
+    a[where] = np.nan
+    assert math.isnan(pieces.max_abs(a)) and math.isnan(pieces.max_abs(a, f))
+    assert not pieces.all_finite(a)
+    a[where] = np.inf
+    assert not pieces.all_finite(a)
+    assert pieces.all_finite(f)
+    gap, worst = largest_difference({"w": a}, {"w": f})
+    assert gap == math.inf and worst == "w"
+    assert not fit_factor({"w": a}, {"w": f}).finite
+
+
+def test_judging_a_large_tensor_allocates_for_one_piece_not_the_tensor(monkeypatch):
+    """fit_factor and largest_difference on 4M elements, in pieces of 64K: the peak the judge
+    allocates stays within its count for one piece (``owndtype.JUDGE_BYTES`` an element), where
+    whole-tensor arithmetic would allocate 24 bytes for each of the 4M."""
+    monkeypatch.setattr(pieces, "PIECE", 1 << 16)
+    a, f = arrays(1 << 22)
+    tracemalloc.start()
+    fit = fit_factor({"w": a}, {"w": f})
+    gap, _ = largest_difference({"w": a}, {"w": f})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert fit.factor == pytest.approx(0.5, rel=1e-6) and gap == pytest.approx(0.5, rel=1e-6)
+    assert peak <= JUDGE_BYTES * pieces.PIECE + 2**16
