@@ -36,9 +36,10 @@ from .reference import ReferencePlan
 from .stepwatch import replay_chunk
 
 # Per element of a tensor while its group runs: the float64 sum F over the window's micro-batches
-# (A is the stack's own gradient, read where it is); the micro-gradient in the parameter's own dtype
-# while it is added is counted on top. ||S||, the round-off's scale, is kept as a number per tensor
-# (a sum of norms), not per element.
+# (A is the stack's own gradient, read where it is). ||S||, the round-off's scale, is kept as a
+# number per tensor (a sum of norms), not per element. A tensor's micro-gradient, in the parameter's
+# own dtype, lives only while it is added (``_sums``): one tensor's at a time, counted with the
+# judge's temporaries (``tensor_needs``).
 SUMS_BYTES = 8
 # The judge's temporaries per element of the piece it is judging, one piece of one tensor at a time
 # (``judge.pieces``): A in float64, cF and A - cF.
@@ -147,9 +148,12 @@ def budget_note(own: OwnDtypeReference | None, model: torch.nn.Module, optimizer
 
 
 def tensor_needs(named: list[tuple[str, torch.Tensor]]) -> list[TensorNeed]:
-    """What each tensor's group holds beside the run (``run.budget``)."""
-    return [TensorNeed(name, math.ceil(p.numel() * (SUMS_BYTES + p.element_size()) * ALLOCATOR),
-                       min(p.numel(), pieces.PIECE) * JUDGE_BYTES) for name, p in named]
+    """What each tensor's group holds beside the run (``run.budget``): its float64 sums while the
+    group runs; and at its own moment, one tensor at a time, its micro-gradient while it is added or
+    the judge's temporaries of one piece while it is judged, whichever is more."""
+    return [TensorNeed(name, math.ceil(p.numel() * SUMS_BYTES * ALLOCATOR),
+                       max(math.ceil(p.numel() * p.element_size() * ALLOCATOR),
+                           min(p.numel(), pieces.PIECE) * JUDGE_BYTES)) for name, p in named]
 
 
 class OwnDtypeReference:
@@ -214,21 +218,34 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
           batches: list[Any], weights: tuple[float, ...], join: Callable[[list[Any]], Any],
           rng_states: list[Any] | None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """F = sum_b w_b grad(loss_b) over ``params``, float64 on the host, and per tensor the sum over
-    the micro-batches of ||w_b grad(loss_b)||, a bound on the norm of S = sum_b |w_b grad(loss_b)|."""
+    the micro-batches of ||w_b grad(loss_b)||, a bound on the norm of S = sum_b |w_b grad(loss_b)|.
+    ``torch.autograd.grad`` leaves the stack's ``.grad`` as it is; a hook on each tensor (the last
+    of its hooks: it sees what the user's own hooks made of the gradient) adds the gradient as the
+    backward pass reaches it and hands back a zero without storage, so that a tensor's gradient is
+    freed once added and the group never holds all its gradients at once."""
     sums = {name: np.zeros(tuple(p.shape)) for name, p in params}
     norms = {name: 0.0 for name, _ in params}
+
+    def adding(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def add(grad: torch.Tensor) -> torch.Tensor:
+            sums[name] += to_numpy(grad.detach())  # added into float64 element by element, no copy
+            norms[name] += float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64))
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
+        return add
+
     tensors = [p for _, p in params]
-    for i, (batch, w) in enumerate(zip(batches, weights)):
-        if rng_states is not None:  # the random draws (dropout) the stack's own pass of this micro-batch made
-            _set_rng(rng_states[i])
-        found = window_loss(module, join([batch]))
-        loss = found[0] if isinstance(found, tuple) else found
-        grads = torch.autograd.grad(loss * w, tensors, allow_unused=True)
-        for (name, _), g in zip(params, grads):
-            if g is not None:
-                sums[name] += to_numpy(g.detach())  # added into float64 element by element, no copy
-                norms[name] += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
-        del loss, found, grads
+    handles = [p.register_hook(adding(name)) for name, p in params]
+    try:
+        for i, (batch, w) in enumerate(zip(batches, weights)):
+            if rng_states is not None:  # the random draws (dropout) the stack's own pass of this micro-batch made
+                _set_rng(rng_states[i])
+            found = window_loss(module, join([batch]))
+            loss = found[0] if isinstance(found, tuple) else found
+            torch.autograd.grad(loss * w, tensors, allow_unused=True)
+            del loss, found
+    finally:
+        for handle in handles:
+            handle.remove()
     return sums, norms
 
 

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import random
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -141,6 +142,38 @@ def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it(monkeypatch, p
     if piece is not None:  # the count of a piece's temporaries, not the tensor's, is what lowers it
         monkeypatch.setattr(pieces, "PIECE", 1 << 22)
         assert owndtype.least_budget(list(model.named_parameters())) > tight
+
+
+def test_a_groups_reference_frees_each_tensors_gradient_once_added_and_leaves_grad_alone():
+    """The reference of a group (``owndtype._sums``): F and the norms are those of each micro-batch's
+    gradient in float64, the stack's ``.grad`` is left as it is, and a tensor's gradient is freed
+    once added, so the group never holds all its gradients at once (a hook of the user's, run before
+    the check's, sees no earlier tensor's gradient still alive); the check's hooks go with it."""
+    model = WideLM()
+    params = list(model.named_parameters())
+    model.emb.weight.grad = torch.ones_like(model.emb.weight)
+    grad_before = model.emb.weight.grad.clone()
+    alive, refs = [], []
+
+    def users_hook(grad):
+        alive.append(sum(ref() is not None for ref in refs))
+        refs.append(weakref.ref(grad))
+
+    for _, p in params:
+        p.register_hook(users_hook)
+    hooks = [len(p._backward_hooks) for _, p in params]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 3000, (2, 8), generator=gen) for _ in range(3)]
+    weights = (0.5, 0.25, 0.25)
+    loss = lambda module, ids: module(ids, ids)  # noqa: E731
+    sums, norms = owndtype._sums(loss, model, params, batches, weights, lambda bs: bs[0], None)
+    assert alive and max(alive) == 0
+    assert [len(p._backward_hooks) for _, p in params] == hooks
+    assert torch.equal(model.emb.weight.grad, grad_before) and model.head.weight.grad is None
+    for name, p in params:
+        grads = [torch.autograd.grad(loss(model, ids) * w, [p])[0].double() for ids, w in zip(batches, weights)]
+        assert np.array_equal(sums[name], sum(g.numpy() for g in grads))
+        assert norms[name] == pytest.approx(sum(float(g.norm()) for g in grads), rel=1e-12)
 
 
 def test_the_model_optimizer_and_random_states_are_left_as_found_under_a_budget():
