@@ -152,8 +152,15 @@ def tensor_needs(named: list[tuple[str, torch.Tensor]]) -> list[TensorNeed]:
     group runs; and at its own moment, one tensor at a time, its micro-gradient while it is added or
     the judge's temporaries of one piece while it is judged, whichever is more."""
     return [TensorNeed(name, math.ceil(p.numel() * SUMS_BYTES * ALLOCATOR),
-                       max(math.ceil(p.numel() * p.element_size() * ALLOCATOR),
-                           min(p.numel(), pieces.PIECE) * JUDGE_BYTES)) for name, p in named]
+                       max(gradient_bytes(p), min(p.numel(), pieces.PIECE) * JUDGE_BYTES)) for name, p in named]
+
+
+def gradient_bytes(p: torch.Tensor) -> int:
+    """What a tensor's gradient holds while it is added (``_sums``): itself (a quarter more for the
+    allocator), its float32 copy on the host where numpy has no such dtype (``to_numpy``), and one
+    piece in float64 for its norm."""
+    host = 4 if p.element_size() < 4 else 0
+    return math.ceil(p.numel() * (p.element_size() + host) * ALLOCATOR) + min(p.numel(), pieces.PIECE) * 8
 
 
 class OwnDtypeReference:
@@ -228,8 +235,9 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
 
     def adding(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def add(grad: torch.Tensor) -> torch.Tensor:
-            sums[name] += to_numpy(grad.detach())  # added into float64 element by element, no copy
-            norms[name] += float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64))
+            host = to_numpy(grad)
+            sums[name] += host  # added into float64 element by element, no copy
+            norms[name] += math.sqrt(pieces.squared_norm(host))  # in float64, a piece at a time
             return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
         return add
 
