@@ -235,9 +235,8 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
 
     def adding(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def add(grad: torch.Tensor) -> torch.Tensor:
-            host = to_numpy(grad)
-            sums[name] += host  # added into float64 element by element, no copy
-            norms[name] += math.sqrt(pieces.squared_norm(host))  # in float64, a piece at a time
+            sums[name] += to_numpy(grad)  # added into float64 element by element, no copy
+            norms[name] += _norm(grad.detach())
             return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
         return add
 
@@ -255,6 +254,13 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
         for handle in handles:
             handle.remove()
     return sums, norms
+
+
+def _norm(grad: torch.Tensor) -> float:
+    """||grad|| in float64, a piece at a time (torch's float64 norm copies what it reads to float64)."""
+    flat = grad.reshape(-1)
+    return math.sqrt(sum(float(torch.linalg.vector_norm(flat[lo:lo + pieces.PIECE], dtype=torch.float64)) ** 2
+                         for lo in range(0, flat.numel(), pieces.PIECE)))
 
 
 def rng_state() -> tuple[Any, Any]:
