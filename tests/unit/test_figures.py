@@ -56,6 +56,19 @@ def test_a_console_block_compares_timings_loosely():
     assert not figures.compare_text("ratio 0.105 · 2.46s", "ratio 0.106 · 2.46s")
 
 
+def test_figures_at_float64_round_off_compare_as_round_off_and_nothing_else_does():
+    """Other CPUs' kernels round the last bits otherwise: 2.31e-16 and 1.16e-16 are both round-off;
+    1e-12 and above, a factor, a verdict or a count still compare digit by digit."""
+    assert figures.compare_text("0   faithful   -   2.31e-16   spread 2.2e-16",
+                                "0   faithful   -   1.16e-16   spread 4.4e-16")
+    assert not figures.compare_text("spread 2.2e-12", "spread 4.4e-12")
+    assert not figures.compare_text("0.250 (1/N)   2.3e-16", "0.251 (1/N)   2.3e-16")
+    assert not figures.compare_text("faithful   2.3e-16", "flagged    2.3e-16")
+    assert figures.compare_text("2 to 13", "2 to 12", "mxnet.cross.logits")
+    assert not figures.compare_text("2 to 13", "2 to 30", "mxnet.cross.logits")
+    assert not figures.compare_text("2 to 13", "2 to 12", "mxnet.cross.need")
+
+
 RUNS = [name for name in figures.GROUPS if name not in ("benchmarks", "mutation")]
 
 
