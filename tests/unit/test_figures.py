@@ -62,6 +62,8 @@ def test_figures_at_float64_round_off_compare_as_round_off_and_nothing_else_does
     assert figures.compare_text("0   faithful   -   2.31e-16   spread 2.2e-16",
                                 "0   faithful   -   1.16e-16   spread 4.4e-16")
     assert not figures.compare_text("spread 2.2e-12", "spread 4.4e-12")
+    assert figures.compare_text("on all 7 tensors (spread 2.2e-16)", "on all 7 tensors (spread 0)")
+    assert not figures.compare_text("on all 7 tensors (spread 2.2e-16)", "on all 0 tensors (spread 2.2e-16)")
     assert not figures.compare_text("0.250 (1/N)   2.3e-16", "0.251 (1/N)   2.3e-16")
     assert not figures.compare_text("faithful   2.3e-16", "flagged    2.3e-16")
     assert figures.compare_text("2 to 13", "2 to 12", "mxnet.cross.logits")
