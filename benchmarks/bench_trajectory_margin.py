@@ -172,8 +172,7 @@ def main() -> int:
     args = parser.parse_args()
     kernels = "own" if args.own_kernels else "baseline"
     if not args.own_kernels:
-        for name, value in BASELINE_KERNELS.items():
-            os.environ.setdefault(name, value)
+        os.environ.update(BASELINE_KERNELS)
     from accumcheck.run.trajectory import MARGIN
 
     path = Path(args.json)
