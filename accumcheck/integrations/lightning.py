@@ -214,7 +214,7 @@ class AccumulationCheck(pl.Callback):
                          f"micro-batches of it, rank r's i-th micro-batch numbered i x {world.size} + r")
         if self.every is not None:
             notes[1] = sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every, "the fit trained as written",
-                                    recorder.unsplit)
+                                    recorder.unsplit, recorder.own_seconds)
         notes += [note for note in (budget_note(self._own, self._module, [], sampled=self.every is not None,
                                                             unsplit=recorder.unsplit),) if note]
         budget = ("" if self.memory_budget is None else f", memory_budget={self.memory_budget!r}") + \

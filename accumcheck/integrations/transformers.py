@@ -232,7 +232,7 @@ class watch:  # noqa: N801  (used as a function: ``with watch(trainer) as sample
         transformers = stack_library("transformers", "Hugging Face transformers (and accelerate)")
         recorder, args = self.recorder, self.trainer.args
         notes = [sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every,
-                              "the Trainer trained as configured", recorder.unsplit), budget_note(
+                              "the Trainer trained as configured", recorder.unsplit, recorder.own_seconds), budget_note(
                      recorder.own_dtype, self.trainer.model, [self.trainer.optimizer], sampled=True)]
         coverage = recorder.coverage("transformers.watch", "the Trainer's training_step",
                                      "let the Trainer's own loop feed its micro-batches", "the Trainer", _idle_fix(args))

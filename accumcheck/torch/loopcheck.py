@@ -323,7 +323,7 @@ class AccumulationCheck:
                          f"{self.restored} were put back after the run")
         elif self.every is not None:
             notes.append(sampled_note(recorder.judged_why, recorder.optimizer_steps, self.every,
-                                      "your loop trained as written", recorder.unsplit))
+                                      "your loop trained as written", recorder.unsplit, recorder.own_seconds))
         else:
             ran = "float64" if self.own is None else f"its own dtype ({recorder.computed})"
             notes.append(f"dropout off ({self.run.dropouts} rates set to 0); the model ran in {ran}; the "

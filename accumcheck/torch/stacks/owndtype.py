@@ -18,7 +18,8 @@ check holds one group's sums beside the run. A float64 copy is used instead wher
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+import statistics
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -110,16 +111,32 @@ def sampled_reference(memory_budget: Any, model: torch.nn.Module, accum_steps: C
 
 
 def sampled_note(judged_why: dict[int, str], optimizer_steps: int, every: int, ran: str,
-                 unsplit: dict[int, str] | None = None) -> str:
-    """How a sampled check's report says which steps it judged, and why each; and which chosen
-    steps it could not judge (``unsplit``: their loss cannot be split micro-batch by micro-batch)."""
+                 unsplit: dict[int, str] | None = None, own_seconds: dict[int, float] | None = None) -> str:
+    """How a sampled check's report says which steps it judged, and why each; which chosen steps it
+    could not judge (``unsplit``: their loss cannot be split micro-batch by micro-batch); and what it
+    cost the run (``own_seconds``: the recorder's own time at each optimizer step)."""
     listed = ", ".join(f"{step}" + ("" if why.startswith("one step in") else f" ({why})")
                        for step, why in judged_why.items())
     missed = f"; not judged, their loss not split micro-batch by micro-batch, as a live run needs: " \
         f"{let_go_text(unsplit)}" if unsplit else ""
     return (f"sampled in your run: {len(judged_why)} of {optimizer_steps} optimizer steps judged, one in {every} and "
             f"every window of a new length (steps {listed or 'none'}){missed}; {ran}, untouched, its dropout "
-            "replayed for the reference")
+            f"replayed for the reference{own_time_text(own_seconds or {}, judged_why)}")
+
+
+def own_time_text(own_seconds: dict[int, float], judged: Mapping[int, Any]) -> str:
+    """The sampled check's own time, as a note says it: the median over the steps it let go, and the
+    judged steps' (empty where it timed nothing)."""
+    let_go = sorted(t for step, t in own_seconds.items() if step not in judged)
+    on_judged = [t for step, t in own_seconds.items() if step in judged]
+    said = [f"{_duration(statistics.median(let_go))} a step let go (median of {len(let_go)})"] if let_go else []
+    if on_judged:
+        said.append(f"{_duration(sum(on_judged))} on the {len(on_judged)} judged")
+    return f"; its own time: {', '.join(said)}" if said else ""
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{1e3 * seconds:.2g} ms"
 
 
 def checked_every(every: Any, who: str) -> int | None:

@@ -11,6 +11,7 @@ stack does not hide anything here (precision is what ``accumcheck check`` looks 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -97,21 +98,32 @@ class StackRecorder:
         # run cannot hold the window as one batch; under a budget, the probe undecided), and why; sampled, the
         # next window is judged in its place
         self.unsplit: dict[int, str] = {}
+        self.own_seconds: dict[int, float] = {}  # the recorder's own time at each optimizer step (its cost)
 
     @property
     def seen_everywhere(self) -> int:
         """Micro-batches recorded on every rank together (a collective in a data-parallel run)."""
         return sum(self.world.gather(self.seen))
 
+    @contextlib.contextmanager
+    def _own_time(self) -> Any:
+        """Counts the time inside it to the optimizer step the recorder serves (``own_seconds``)."""
+        step, started = self.optimizer_steps, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.own_seconds[step] = self.own_seconds.get(step, 0.0) + time.perf_counter() - started
+
     def record(self, batch: Any) -> None:
         """One micro-batch entered the current window (kept as it was fed)."""
-        kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
-        if self.every is not None:  # the run's own dropout: the reference draws what this micro-batch draws
-            self._rng.append(rng_state())
-        if self.step_watch is not None:
-            self.step_watch.micro_batch()
-        self.pending.append((self.world.global_index(self.seen), kept))
-        self.seen += 1
+        with self._own_time():
+            kept = map_leaves(batch, lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t)
+            if self.every is not None:  # the run's own dropout: the reference draws what this micro-batch draws
+                self._rng.append(rng_state())
+            if self.step_watch is not None:
+                self.step_watch.micro_batch()
+            self.pending.append((self.world.global_index(self.seen), kept))
+            self.seen += 1
 
     def watch(self, optimizer: Any) -> None:
         """Capture at ``optimizer``'s real steps (a wrapper's skipped steps do not count). Not for
@@ -173,6 +185,10 @@ class StackRecorder:
         explain it (``Hypotheses``): each term's gradient on the window and summed over the
         micro-batches, the micro-batches' own losses' gradients summed, and in a data-parallel run
         each rank's micro-batches as a batch of their own, averaged over the ranks."""
+        with self._own_time():
+            self._capture()
+
+    def _capture(self) -> None:
         world = self.world
         pending = sorted((entry for part in world.gather(self.pending) for entry in part), key=lambda e: e[0])
         if not pending:

@@ -667,3 +667,25 @@ def test_under_a_budget_a_window_the_probe_cannot_decide_is_let_go_and_a_later_o
                for n in report.notes)
     with pytest.raises(NothingJudgedError, match=r"no optimizer step could be judged"):
         budget_loop(owndtype.float64_need(zeroed(), []) - 1, model=zeroed(), windows=1)
+
+
+def test_a_sampled_run_says_what_its_check_cost_each_step(monkeypatch):
+    """The recorder counts its own time to the optimizer step it serves: each micro-batch recorded
+    and each window captured, judged or let go (a clock that ticks once a reading shows each)."""
+    import types
+
+    from accumcheck.torch.stacks import recorder as recording
+
+    ticks, made, init = iter(range(10**6)), [], recording.StackRecorder.__init__
+
+    def kept(recorder, *args, **kwargs):
+        made.append(recorder)
+        init(recorder, *args, **kwargs)
+    monkeypatch.setattr(recording, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(recording.StackRecorder, "__init__", kept)
+    _, report = live_loop(every=4)
+    [recorder] = made
+    # windows of 4, 4, 2 micro-batches in each of two epochs; one reading for each, one for the capture
+    assert recorder.own_seconds == {0: 5, 1: 5, 2: 3, 3: 5, 4: 5, 5: 3}
+    note = next(n for n in report.notes if n.startswith("sampled in your run"))
+    assert note.endswith("its own time: 5 s a step let go (median of 1), 21 s on the 5 judged")
