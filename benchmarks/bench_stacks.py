@@ -17,11 +17,12 @@ build apart). The ratios are each against plain in the same round (sampled again
 median over the rounds.
 
 The sampled check's cost at K = 100: a run of S_s steps judges step 0 (``one step in K``), so its
-measured ratio is (S_s plain steps + one reference) / S_s; per step the children also record their
-times, and the cost of one step in K judged is (K x plain's median step + (K - 1) x (sampled's
-median unjudged step - plain's, or 0 where that is below 0: two runs' steps differ by more than the
-recording costs) + (sampled's step 0 - plain's step 0)) / (K x plain's median
-step), as a run of K steps would pay it.
+measured ratio is (S_s plain steps + one reference) / S_s. Two runs' steps differ by more than the
+recording of a step costs, so the cost of one step in K judged is taken from the check's own time,
+timed inside the run (``StackRecorder.own_seconds``: recording each micro-batch, capturing or
+letting go each window): (K x plain's median step + (K - 1) x its median time on a step it lets go
++ its time on the judged step) / (K x plain's median step), as a run of K steps would pay it. The two
+runs' median steps are reported beside it.
 
 Aims: with a budget, peak memory <= 1.25 x plain and time <= 3 x plain; sampled at K = 100 <= 1.03.
 Every run writes benchmarks/results/bench_stacks.json (or --json FILE); ``figures`` renders the
@@ -95,8 +96,10 @@ with tempfile.TemporaryDirectory() as folder:
     elif what == "sampled":
         with watch(trainer, every=shape["every"]) as sampled:
             trainer.train()
-        report = sampled.report
-        out.update(exit_code=report.exit_code, judged=[s.step for s in report.steps])
+        report, own = sampled.report, sampled.recorder.own_seconds
+        out.update(exit_code=report.exit_code, judged=[s.step for s in report.steps],
+                   own_let_go=[t for step, t in own.items() if step not in sampled.recorder.judged_why],
+                   own_judged=[t for step, t in own.items() if step in sampled.recorder.judged_why])
     else:
         report = check(trainer, steps=steps, memory_budget=budget)
         from accumcheck.torch.stacks.owndtype import float64_need
@@ -157,18 +160,20 @@ def measure(shape: dict, rounds: int, share: float) -> dict:
     k = shape["every"]
     plain_step = statistics.median(t for run in runs["plain_s"] for t in run["steps"][1:])
     unjudged = statistics.median(t for run in runs["sampled"] for t in run["steps"][1:])
-    judged_extra = statistics.median(a["steps"][0] - b["steps"][0] for a, b in zip(runs["sampled"], runs["plain_s"]))
-    ratios["sampled"]["at_every"] = at_every(k, plain_step, unjudged, judged_extra)
-    ratios["sampled"].update(plain_step=plain_step, unjudged_step=unjudged, judged_extra=judged_extra)
+    own_let_go = statistics.median(t for run in runs["sampled"] for t in run["own_let_go"])
+    own_judged = statistics.median(t for run in runs["sampled"] for t in run["own_judged"])
+    ratios["sampled"]["at_every"] = at_every(k, plain_step, own_let_go, own_judged)
+    ratios["sampled"].update(plain_step=plain_step, unjudged_step=unjudged, own_let_go=own_let_go,
+                             own_judged=own_judged)
     return {"budget": budgets["budget"], "wide_budget": budgets["wide"], "runs": runs, "ratios": ratios,
             "parameters": runs["plain"][0]["parameters"]}
 
 
-def at_every(k: int, plain_step: float, unjudged: float, judged_extra: float) -> float:
-    """What one step in ``k`` judged costs against plain training, from the median step times: the
-    recording of each unjudged step counted as 0 where it measured below plain's (run-to-run noise
-    larger than it, not a check that speeds training up)."""
-    return (k * plain_step + (k - 1) * max(0.0, unjudged - plain_step) + judged_extra) / (k * plain_step)
+def at_every(k: int, plain_step: float, own_let_go: float, own_judged: float) -> float:
+    """What one step in ``k`` judged costs against plain training: ``k`` plain steps, the check's own
+    time on each of the ``k - 1`` steps it lets go and on the one it judges (timed inside the run,
+    ``StackRecorder.own_seconds``), over the ``k`` plain steps."""
+    return (k * plain_step + (k - 1) * own_let_go + own_judged) / (k * plain_step)
 
 
 def figures(result: dict) -> dict[str, str]:
@@ -208,16 +213,11 @@ def figures(result: dict) -> dict[str, str]:
                     f"where it counts {m['runs']['check'][0]['float64_need'] / gib:.2f} GiB (`float64_need`, its "
                     "activations apart), the count that decides whether a budget holds it; "
                     f"the sampled check at K = {shape['every']} costs "
-                    f"{at_every(shape['every'], s['plain_step'], s['unjudged_step'], s['judged_extra']):.3f}× plain "
-                    f"training per step (aim 1.03; from the per-step times: plain {s['plain_step']:.2f} s, an unjudged "
-                    f"step {s['unjudged_step']:.2f} s{_noise(s)}, a judged one {s['judged_extra']:+.2f} s more)"),
+                    f"{s['at_every']:.3f}× plain training per step (aim 1.03; plain's median step {s['plain_step']:.2f} s, "
+                    f"the check's own time, timed inside the run, {1e3 * s['own_let_go']:.2g} ms on a step it lets go "
+                    f"and {s['own_judged']:.2f} s on the one it judges; two runs' median steps, with and without the "
+                    f"check, {s['unjudged_step']:.2f} s and {s['plain_step']:.2f} s)"),
     }
-
-
-def _noise(sampled: dict) -> str:
-    """Said where the unjudged step measured faster than plain's: counted as costing nothing."""
-    return " (below plain's: the two runs' noise, counted as no cost)" if sampled["unjudged_step"] < \
-        sampled["plain_step"] else ""
 
 
 def _added(measured: dict) -> float:
