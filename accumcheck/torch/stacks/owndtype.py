@@ -27,6 +27,7 @@ import torch
 from ...errors import AccumcheckError
 from ...files import size_text
 from ...judge import pieces
+from ...judge.hostsums import add_squares
 from ...judge.stack import judge_groups, judge_window, let_go_text
 from ...options.values import byte_count
 from ...report import StackStep
@@ -252,8 +253,13 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
 
     def adding(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def add(grad: torch.Tensor) -> torch.Tensor:
-            sums[name] += to_numpy(grad)  # added into float64 element by element, no copy
-            norms[name] += _norm(grad.detach())
+            got = grad.detach()
+            if got.device.type == "cpu" and got.dtype in (torch.float32, torch.float64) and got.is_contiguous():
+                # one compiled pass reads the gradient once for both
+                norms[name] += math.sqrt(add_squares(got.numpy().reshape(-1), sums[name].reshape(-1)))
+            else:
+                sums[name] += to_numpy(got)  # added into float64 element by element, no copy
+                norms[name] += _norm(got)
             return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
         return add
 

@@ -144,12 +144,13 @@ def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it(monkeypatch, p
         assert owndtype.least_budget(list(model.named_parameters())) > tight
 
 
-def test_a_groups_reference_frees_each_tensors_gradient_once_added_and_leaves_grad_alone():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # one compiled pass; numpy and torch's norm
+def test_a_groups_reference_frees_each_tensors_gradient_once_added_and_leaves_grad_alone(dtype):
     """The reference of a group (``owndtype._sums``): F and the norms are those of each micro-batch's
     gradient in float64, the stack's ``.grad`` is left as it is, and a tensor's gradient is freed
     once added, so the group never holds all its gradients at once (a hook of the user's, run before
     the check's, sees no earlier tensor's gradient still alive); the check's hooks go with it."""
-    model = WideLM()
+    model = WideLM().to(getattr(torch, dtype))
     params = list(model.named_parameters())
     model.emb.weight.grad = torch.ones_like(model.emb.weight)
     grad_before = model.emb.weight.grad.clone()
