@@ -10,6 +10,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from accumcheck.judge import pieces
 from accumcheck.judge.fullbatch import fit_factor, largest_difference
@@ -77,3 +80,25 @@ def test_judging_a_large_tensor_allocates_for_one_piece_not_the_tensor(monkeypat
     tracemalloc.stop()
     assert fit.factor == pytest.approx(0.5, rel=1e-6) and gap == pytest.approx(0.5, rel=1e-6)
     assert peak <= JUDGE_BYTES * pieces.PIECE + 2**16
+
+
+VALUES = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=16),  # held exactly by every dtype
+                   st.sampled_from([np.nan, np.inf, -np.inf]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([(np.float32, np.float64), (np.float64, np.float64), (np.float32, np.float32),
+                        (np.float16, np.float64)]).flatmap(
+    lambda dtypes: st.integers(0, 40).flatmap(
+        lambda n: st.tuples(hnp.arrays(dtypes[0], n, elements=VALUES), hnp.arrays(dtypes[1], n, elements=VALUES)))))
+def test_max_abs_is_numpys_maximum_for_every_dtype_nan_and_inf(pair):
+    """Compiled for float32 and float64, a piece at a time for other dtypes: the same maximum as
+    numpy's over the float64 values, nan where any element (or difference) is nan, 0 for none."""
+    x, y = pair
+
+    def numpys(values: np.ndarray) -> float:
+        return float(np.max(np.abs(values), initial=0.0)) if not np.isnan(values).any() else math.nan
+
+    wide = x.astype(np.float64)
+    for found, expected in ((pieces.max_abs(x), numpys(wide)), (pieces.max_abs(x, y), numpys(wide - y))):
+        assert found == expected or (math.isnan(found) and math.isnan(expected))
