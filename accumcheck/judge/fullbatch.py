@@ -358,6 +358,8 @@ def varying_sentence(fit: FactorFit, item_counts: list[int] | None) -> str:
     worst = fit.furthest
     if worst and worst not in fit.tensor_factors:
         where = f"worst {worst}, a gradient where the full batch's is zero"
+    elif fit.furthest_residual is None:  # known per group only, where a window was judged in groups
+        where = f"worst {worst}"
     else:
         where = f"worst {worst}, residual {brief(fit.furthest_residual)}"
     text = (f"not a constant factor: per-tensor factors {factor_text(min(factors))} to "

@@ -31,6 +31,7 @@ from accumcheck.bounds import UNIT_ROUNDOFF  # noqa: E402
 from accumcheck.errors import AccumcheckError, NothingJudgedError  # noqa: E402
 from accumcheck.judge import pieces  # noqa: E402
 from accumcheck.judge.stack import judge_groups, judge_window, precision_fit  # noqa: E402
+from accumcheck.report.single import factor_text  # noqa: E402
 from accumcheck.report.stack import SPLIT  # noqa: E402
 from accumcheck.run.budget import FIXED_BYTES  # noqa: E402
 from accumcheck.run.results import StackWindow, StepPrecision  # noqa: E402
@@ -235,26 +236,37 @@ def test_a_window_that_cannot_be_split_is_refused_under_a_budget():
     assert run_classifier  # the joined-window controls of this model live in test_stack_reference
 
 
-def test_groups_judged_apart_read_as_the_window_judged_whole():
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (4.0, 4.0), (4.0, 1.0), (1.0, 4.0), (4.0, 2.0)])
+def test_groups_judged_apart_read_as_the_window_judged_whole(scales):
     """judge_groups: a window cut into its tensors' groups has the verdict of the whole, and its
-    round-off error is at most the largest group's."""
+    round-off error is at most the largest group's. A group scaled next to one that is right, or
+    one scaled otherwise, is no constant factor, as the whole window is not; where every group has
+    the one factor, the sentence counts the window's tensors, not one group's."""
     rng = np.random.default_rng(0)
     full = {f"t{i}": rng.normal(size=(5, 3)) for i in range(4)}
-    for scale in (1.0, 4.0):
-        applied = {k: v * scale * (1 + 1e-7 * rng.normal(size=v.shape)) for k, v in full.items()}
-        absum = {k: np.abs(v) * 1.5 for k, v in full.items()}
+    scale = {"t0": scales[0], "t1": scales[0], "t2": scales[1], "t3": scales[1]}
+    applied = {k: v * scale[k] * (1 + 1e-7 * rng.normal(size=v.shape)) for k, v in full.items()}
+    absum = {k: np.abs(v) * 1.5 for k, v in full.items()}
 
-        def window(names):
-            return StackWindow(step=0, micro_batches=list(range(N)), applied={k: applied[k] for k in names},
-                               window={k: full[k] for k in names}, absum={k: absum[k] for k in names},
-                               precision=StepPrecision(reference="float32"))
+    def window(names):
+        return StackWindow(step=0, micro_batches=list(range(N)), applied={k: applied[k] for k in names},
+                           window={k: full[k] for k in names}, absum={k: absum[k] for k in names},
+                           precision=StepPrecision(reference="float32"))
 
-        whole = judge_window(window(list(full)), N)
-        grouped = judge_groups([judge_window(window(["t0", "t1"]), N), judge_window(window(["t2", "t3"]), N)], "g")
-        assert whole.verdict == grouped.verdict == ("faithful" if scale == 1.0 else "constant-factor")
-        assert set(grouped.result.tensor_factors) == set(full)
-        if scale == 1.0:
-            assert precision_fit(window(list(full)), N).error <= grouped.precision.error
+    whole = judge_window(window(list(full)), N)
+    grouped = judge_groups([judge_window(window(["t0", "t1"]), N), judge_window(window(["t2", "t3"]), N)], "g")
+    expected = "mismatch" if scales[0] != scales[1] else "faithful" if scales[0] == 1.0 else "constant-factor"
+    assert whole.verdict == grouped.verdict == expected
+    assert set(grouped.result.tensor_factors) == set(full)
+    assert (grouped.result.factor_min, grouped.result.factor_max) == pytest.approx((min(scales), max(scales)), rel=1e-5)
+    if expected == "faithful":
+        assert precision_fit(window(list(full)), N).error <= grouped.precision.error
+    if expected == "constant-factor":
+        assert "on all 4 tensors" in grouped.result.explanation and grouped.result.matches == whole.result.matches
+    if expected == "mismatch":
+        assert grouped.result.explanation.startswith(f"not a constant factor: per-tensor factors {factor_text(min(scales))} to "
+                                                     f"{factor_text(max(scales))}")
+        assert grouped.result.matches is None and not grouped.result.constant
 
 
 def test_the_bound_counts_a_reference_computed_below_float64():
