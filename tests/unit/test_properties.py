@@ -143,7 +143,9 @@ def test_a_fault_beyond_the_bound_is_flagged_on_its_tensor_only():
 
     @given(st.data(), st.sampled_from(FAULTS))
     def fault_property(data, kind):
-        steps = data.draw(st.integers(2 if kind == "double-step" else 1, 512), label="N")
+        # A 1e-3 scale of one micro-step is within float32's round-off over most windows of hundreds
+        # of steps: drawn up to 64, it is visible in enough examples to count in every run.
+        steps = data.draw(st.integers(2 if kind == "double-step" else 1, 64 if kind == "scale" else 512), label="N")
         tensors = [data.draw(micro_gradients(steps=steps), label=f"tensor{i}") for i in range(3)]
         hit = data.draw(st.integers(0, 2), label="perturbed tensor")
         step = data.draw(st.integers(1 if kind == "double-step" else 0, steps - 1), label="step")
