@@ -269,6 +269,26 @@ def test_groups_judged_apart_read_as_the_window_judged_whole(scales):
         assert grouped.result.matches is None and not grouped.result.constant
 
 
+def test_a_group_within_its_dtypes_round_off_keeps_its_sentence_next_to_a_group_that_is_right():
+    """A group whose applied gradient is a factor 1 + 2^-9 of its reference, within bfloat16's
+    round-off of the sum (precision-loss), next to a group that is exact: the step reads as the
+    window judged whole does, precision-loss, said as round-off, not as a factor."""
+    rng = np.random.default_rng(1)
+    full = {f"t{i}": rng.normal(size=(5, 3)) for i in range(4)}
+    applied = {k: v * (1 + 2.0 ** -9 if k in ("t0", "t1") else 1.0) for k, v in full.items()}
+
+    def window(names):
+        return StackWindow(step=0, micro_batches=list(range(N)), applied={k: applied[k] for k in names},
+                           window={k: full[k] for k in names}, absum={k: np.abs(full[k]) * 1.5 for k in names},
+                           precision=StepPrecision(accumulation="bfloat16"))
+
+    whole = judge_window(window(list(full)), N)
+    grouped = judge_groups([judge_window(window(["t0", "t1"]), N), judge_window(window(["t2", "t3"]), N)], "g")
+    assert whole.verdict == grouped.verdict == "precision-loss"
+    assert grouped.result.explanation.startswith("precision lost in the local sum")
+    assert not grouped.result.constant and grouped.result.matches is None
+
+
 def test_the_bound_counts_a_reference_computed_below_float64():
     w = StackWindow(step=0, micro_batches=[0, 1], applied={"a": np.ones(3)}, window={"a": np.ones(3)},
                     absum={"a": np.ones(3)}, precision=StepPrecision())
