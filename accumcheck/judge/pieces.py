@@ -52,6 +52,7 @@ _COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 
 @njit()
 def _max_abs_difference(x, y):
+    """max |x - y| over flat arrays, each difference in float64; nan at the first nan."""
     top = 0.0
     for i in range(x.size):
         v = abs(np.float64(x[i]) - np.float64(y[i]))

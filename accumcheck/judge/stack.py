@@ -162,21 +162,25 @@ def judge_groups(steps: list[StackStep], note: str) -> StackStep:
     silent = [name for s in steps for name in s.result.silent_tensors]
     result = dataclasses.replace(worst.result, tensor_factors=factors, silent_tensors=silent)
     if flagged and result.factor and factors:
-        result = _factor_over_groups(result, worst.gradient_verdict in ("constant-factor", "mismatch"))
+        # a tensor with a gradient where the full batch has none is as far from any factor as can be
+        unmatched = [s.result.factor_worst_tensor for s in steps
+                     if s.result.factor_worst_tensor and s.result.factor_worst_tensor not in s.result.tensor_factors]
+        result = _factor_over_groups(result, unmatched, worst.gradient_verdict in ("constant-factor", "mismatch"))
     return dataclasses.replace(worst, result=result, reference_note=f"{worst.reference_note}; {note}".strip("; "))
 
 
-def _factor_over_groups(result: FullBatchResult, says_factor: bool) -> FullBatchResult:
+def _factor_over_groups(result: FullBatchResult, unmatched: list[str], says_factor: bool) -> FullBatchResult:
     """The worst group's factor fit read over every group's tensor factors (``result.tensor_factors``
     holds them all): a constant factor only where every tensor's factor is the worst group's c
     within FACTOR_TOLERANCE (a group scaled next to a group that is right is no constant factor, as
     the window judged whole is not); the range, the tensor furthest from c and the count of tensors
-    are the window's. The residual of a tensor is known only where it was its group's furthest.
+    are the window's. The residual of a tensor is known only where it was its group's furthest;
+    ``unmatched``: tensors with a gradient where the full batch has none, the furthest of all.
     ``says_factor``: the step's sentence is about the factor (a constant factor or a mismatch), not
     about round-off, and is said again over the window."""
     c, factors = result.factor, result.tensor_factors
-    furthest = max(factors, key=lambda name: abs(factors[name] - c))
-    spread = abs(factors[furthest] - c) / abs(c)
+    spread = max(abs(f - c) for f in factors.values()) / abs(c)
+    furthest = unmatched[0] if unmatched else max(factors, key=lambda name: abs(factors[name] - c))
     constant = result.constant and spread <= FACTOR_TOLERANCE
     residual = result.worst_tensor_residual if furthest == result.factor_worst_tensor else None
     explanation = result.explanation

@@ -269,6 +269,27 @@ def test_groups_judged_apart_read_as_the_window_judged_whole(scales):
         assert grouped.result.matches is None and not grouped.result.constant
 
 
+@pytest.mark.parametrize("groups", [(["t0", "t1"], ["t2", "t3"]), (["t0", "t2"], ["t1", "t3"])])
+def test_a_gradient_where_the_window_has_none_is_the_worst_tensor_in_groups_as_whole(groups):
+    """A tensor with a gradient where the window's is zero is as far from any factor as can be: the
+    step judged in groups names it, as the window judged whole does, whichever group it is in."""
+    rng = np.random.default_rng(0)
+    full = {f"t{i}": rng.normal(size=(5, 3)) for i in range(4)}
+    applied = {k: v * (4.0 if k in ("t0", "t1") else 1.0) for k, v in full.items()}
+    full["t2"] = np.zeros((5, 3))
+
+    def window(names):
+        return StackWindow(step=0, micro_batches=list(range(N)), applied={k: applied[k] for k in names},
+                           window={k: full[k] for k in names}, absum={k: np.abs(full[k]) * 1.5 + 0.1 for k in names},
+                           precision=StepPrecision(reference="float32"))
+
+    whole = judge_window(window(list(full)), N)
+    grouped = judge_groups([judge_window(window(g), N) for g in groups], "g")
+    assert whole.verdict == grouped.verdict == "mismatch"
+    assert whole.result.factor_worst_tensor == grouped.result.factor_worst_tensor == "t2"
+    assert "worst t2, a gradient where the full batch's is zero" in grouped.result.explanation
+
+
 def test_a_group_within_its_dtypes_round_off_keeps_its_sentence_next_to_a_group_that_is_right():
     """A group whose applied gradient is a factor 1 + 2^-9 of its reference, within bfloat16's
     round-off of the sum (precision-loss), next to a group that is exact: the step reads as the
