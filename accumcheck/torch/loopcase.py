@@ -16,6 +16,7 @@ bfloat16: DDP's bf16 compression hook, FSDP2's ``reduce_dtype``).
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Iterator
 
 import torch
@@ -58,30 +59,38 @@ def _run(case: Any, accum_steps: int, batches: int | None, fault: str | None, wo
     micro_batches = case_batches(case, count)
     items = window_items(micro_batches, accum_steps * world_size)  # by the case's numbering, i x W + r
     with _process_group(world_size) as rank:
-        mine = micro_batches[rank::world_size]
-        model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
-        trained = _shard(model, world_size, fault) if sharded else _replicate(model, world_size, fault)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        scale = world_size * (2.0 if fault == "rank-loss-scaled" and rank == world_size - 1 else 1.0) / (
-            accum_steps if fault == "loss-over-n" else 1)
-        dropping = fault == "rank-drops-micro-batch" and rank == world_size - 1
-        check = AccumulationCheck(trained, optimizer, step=lambda m, batch: m(**batch)["loss"])
-        with check:
-            for i, batch in enumerate(check.batches(mine)):
-                last = (i + 1) % accum_steps == 0 or i == len(mine) - 1
-                _sync(trained, last, sharded)
-                loss = trained(**batch, num_items_in_batch=items[i * world_size + rank])["loss"] * scale
-                if not (dropping and i % accum_steps == 0 and not last):
-                    loss.backward()
-                if last:
-                    torch.nn.utils.clip_grad_norm_(trained.parameters(), 1.0)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        report = check.report
+        report = _train(case, micro_batches[rank::world_size], items, accum_steps, fault, world_size, rank,
+                        sharded)
     report.model = f"{case.name} (built-in case)"
     report.reproduce = stack_command(name, case.name, accum_steps, batches, fault, world_size)
     report.micro_batches_expected = count
     return report
+
+
+def _train(case: Any, mine: list, items: list, accum_steps: int, fault: str | None, world_size: int, rank: int,
+           sharded: bool) -> StackReport:
+    """This rank's loop over its micro-batches ``mine``, checked: the report. Its model, the DDP or
+    FSDP2 wrapping and the check are gone when it returns (``_process_group`` then frees their
+    reference cycles before the group goes)."""
+    model = CaseLM(case, accum_steps, fault if fault == "micro-batch-mean" else None)
+    trained = _shard(model, world_size, fault) if sharded else _replicate(model, world_size, fault)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scale = world_size * (2.0 if fault == "rank-loss-scaled" and rank == world_size - 1 else 1.0) / (
+        accum_steps if fault == "loss-over-n" else 1)
+    dropping = fault == "rank-drops-micro-batch" and rank == world_size - 1
+    check = AccumulationCheck(trained, optimizer, step=lambda m, batch: m(**batch)["loss"])
+    with check:
+        for i, batch in enumerate(check.batches(mine)):
+            last = (i + 1) % accum_steps == 0 or i == len(mine) - 1
+            _sync(trained, last, sharded)
+            loss = trained(**batch, num_items_in_batch=items[i * world_size + rank])["loss"] * scale
+            if not (dropping and i % accum_steps == 0 and not last):
+                loss.backward()
+            if last:
+                torch.nn.utils.clip_grad_norm_(trained.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return check.report
 
 
 @contextlib.contextmanager
@@ -102,6 +111,9 @@ def _process_group(world_size: int) -> Iterator[int]:
         dist.barrier()  # no rank tears down its connections while another still reads from it
     finally:
         if made:
+            # DDP's reducer and FSDP2's state hold the group through reference cycles: freed here, while
+            # the interpreter runs, not at its shutdown, where gloo's teardown can abort the rank.
+            gc.collect()
             dist.destroy_process_group()
 
 

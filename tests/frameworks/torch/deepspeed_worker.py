@@ -18,6 +18,7 @@ line (exit 2), and for a user's loop whether the engine was left as found. Scena
 AGREE_TIMEOUT_S: how long the ranks wait for each other at the check's start (default 120 s).
 """
 
+import gc
 import json
 import os
 import sys
@@ -174,6 +175,8 @@ def main():
         Path(out, f"rank-{rank}.json").write_text(json.dumps(results, indent=1))
     if code == 0:
         dist.barrier()
+        gc.collect()  # the engines hold the group through reference cycles: freed before it goes, not at shutdown
+        dist.destroy_process_group()
     return code
 
 

@@ -14,6 +14,7 @@ OUT_DIR/rank-R.json, by scenario (an exception as {"error": ...}). Scenarios:
 """
 
 import copy
+import gc
 import json
 import sys
 import traceback
@@ -224,6 +225,7 @@ def main():
             found[scenario] = run(scenario)
             (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(found, indent=1, default=str))
     finally:
+        gc.collect()  # the sharded models' reference cycles hold the group: freed before it goes
         dist.destroy_process_group()
 
 
