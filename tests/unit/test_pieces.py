@@ -1,7 +1,9 @@
-"""The judge reads a large tensor a piece at a time (accumcheck.judge.pieces), so that its float64
-temporaries are of one piece: a tensor of one piece gives the whole-tensor figures bit for bit, a
-larger one the same figures to float64 round-off, nan and inf found in any piece, and the peak the
-judge allocates follows the piece, not the tensor."""
+"""The judge's sums over a tensor (accumcheck.judge.pieces): float32 and float64 arrays by compiled
+passes, other dtypes a piece at a time so that their float64 temporaries are of one piece. Either
+way each sum is within its recursive-sum bound (n units of float64's round-off of the sum of the
+terms' magnitudes) of the exact sum of the same float64 terms (``math.fsum``), a maximum is exact,
+nan and inf are found in any piece, and the peak the judge allocates follows the piece, not the
+tensor."""
 
 from __future__ import annotations
 
@@ -27,29 +29,61 @@ def arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return (f * 0.5 + rng.standard_normal(n) * 1e-9).astype(np.float32), f
 
 
-def test_a_tensor_of_one_piece_gives_the_whole_tensor_figures_bit_for_bit():
-    a, f = arrays(10_000)
-    a64 = a.astype(np.float64)
-    assert pieces.max_abs(f) == float(np.max(np.abs(f), initial=0.0))
-    assert pieces.max_abs(a, f) == float(np.max(np.abs(a - f), initial=0.0))
-    assert pieces.dot(a, f) == float(a64 @ f)
-    assert math.sqrt(pieces.squared_norm(a)) == float(np.linalg.norm(a64))
-    assert math.sqrt(pieces.squared_distance(a, f, 0.3)) == float(np.linalg.norm(a64 - 0.3 * f))
-    assert pieces.sum_of_squares(a, f) == float(np.sum(np.square(a - f)))
-    assert pieces.sum_of_squares(f) == float(np.sum(np.square(f)))
+U = 2.0 ** -53
 
 
-def test_a_tensor_of_many_pieces_gives_the_same_figures_to_round_off(monkeypatch):
+def within_sum_bound(found: float, terms: np.ndarray) -> bool:
+    """``found`` within n units of float64's round-off of the sum of |terms| from their exact sum."""
+    return abs(found - math.fsum(terms)) <= (terms.size + 1) * U * math.fsum(np.abs(terms))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([(np.float32, np.float64), (np.float64, np.float64), (np.float32, np.float32),
+                        (np.float16, np.float64)]).flatmap(
+    lambda dtypes: st.integers(0, 70).flatmap(
+        lambda n: st.tuples(hnp.arrays(dtypes[0], n, elements=st.floats(-1e4, 1e4, width=16)),
+                            hnp.arrays(dtypes[1], n, elements=st.floats(-1e4, 1e4, width=16))))),
+       st.sampled_from([1.0, 0.3, -2.5, 0.0]))
+def test_every_sum_is_within_its_round_off_bound_of_the_exact_sum(pair, scale):
+    """Compiled for float32 and float64 (four running sums), a piece at a time for float16: dot,
+    squared norm, squared distance and sum of squares, each within its bound of ``math.fsum`` over
+    the same float64 terms (the products and differences rounded as float64 rounds them)."""
+    x, y = pair
+    wide = x.astype(np.float64)
+    d = wide - scale * y.astype(np.float64)
+    assert within_sum_bound(pieces.dot(x, y), wide * y)
+    assert within_sum_bound(pieces.squared_norm(x), wide * wide)
+    assert within_sum_bound(pieces.squared_distance(x, y, scale), d * d)
+    assert within_sum_bound(pieces.sum_of_squares(x, y), np.square(wide - y))
+    assert within_sum_bound(pieces.sum_of_squares(y), np.square(y.astype(np.float64)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_tensor_of_many_pieces_gives_the_same_figures_to_round_off(monkeypatch, dtype):
+    """float32 is read whole by the compiled passes, float16 a piece at a time (11 pieces, the
+    last one short): the same figures to round-off, the same maximum exactly."""
     a, f = arrays(10_000)
+    a = a.astype(dtype)
     a64 = a.astype(np.float64)
-    monkeypatch.setattr(pieces, "PIECE", 999)  # 11 pieces, the last one short
+    monkeypatch.setattr(pieces, "PIECE", 999)
     assert len(list(pieces.pieces(a, f))) == 11
-    assert pieces.max_abs(a, f) == float(np.max(np.abs(a - f)))  # a maximum is exact in any order
+    assert pieces.max_abs(a, f) == float(np.max(np.abs(a64 - f)))  # a maximum is exact in any order
     assert pieces.dot(a, f) == pytest.approx(float(a64 @ f), rel=1e-12)
     assert pieces.squared_norm(a) == pytest.approx(float(a64 @ a64), rel=1e-12)
     assert pieces.squared_distance(a, f, 0.3) == pytest.approx(float(np.sum(np.square(a64 - 0.3 * f))), rel=1e-12)
-    assert pieces.sum_of_squares(a, f) == pytest.approx(float(np.sum(np.square(a - f))), rel=1e-12)
+    assert pieces.sum_of_squares(a, f) == pytest.approx(float(np.sum(np.square(a64 - f))), rel=1e-12)
     assert pieces.max_abs(np.zeros(0)) == 0.0 and pieces.dot(np.zeros(0), np.zeros(0)) == 0.0
+
+
+def test_a_strided_array_is_read_as_its_values():
+    """A view that is not contiguous goes the piece-at-a-time way, to the same figures."""
+    a, f = arrays(2_000)
+    a2, f2 = a.reshape(40, 50)[:, ::2], f.reshape(40, 50)[:, ::2]
+    assert not a2.flags.c_contiguous
+    a64, f64 = np.ascontiguousarray(a2, np.float64), np.ascontiguousarray(f2)
+    assert pieces.dot(a2, f2) == pytest.approx(float(a64.reshape(-1) @ f64.reshape(-1)), rel=1e-12)
+    assert pieces.squared_distance(a2, f2, 0.3) == pytest.approx(float(np.sum(np.square(a64 - 0.3 * f64))),
+                                                                rel=1e-12)
 
 
 @pytest.mark.parametrize("where", [5, 9_995])
