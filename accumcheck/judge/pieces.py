@@ -39,17 +39,17 @@ def pieces(*arrays: np.ndarray, wide: bool = True) -> Iterator[tuple[np.ndarray,
 def max_abs(x: np.ndarray, y: np.ndarray | None = None) -> float:
     """max |x| (max |x - y| with ``y``, the difference in float64), 0 for no elements; nan where any
     element is nan. A maximum is exact, the same in any order: max |x| is read from numpy's
-    maximum and minimum of x, without temporaries; max |x - y| of float32 and float64 arrays in one
-    compiled pass, of other dtypes a piece at a time."""
+    maximum and minimum of x, without temporaries; max |x - y| of contiguous float32 and float64
+    arrays in one compiled pass, of others a piece at a time."""
     if y is None:
         flat = np.asarray(x).reshape(-1)
         if flat.size == 0:
             return 0.0
         top, bottom = float(np.max(flat)), float(np.min(flat))
         return math.nan if math.isnan(top) else max(0.0, top, -bottom)
-    flats = [np.asarray(a).reshape(-1) for a in (x, y)]
-    if all(f.dtype in _COMPILED for f in flats):
-        return float(_max_abs_difference(flats[0], flats[1]))
+    flats = _compiled(x, y)
+    if flats is not None:
+        return float(_max_abs_difference(*flats))
     found = [np.max(np.abs(a - b)) for a, b in pieces(x, y)]
     return float(np.max(found)) if found else 0.0
 
