@@ -22,7 +22,7 @@ from ..report.single import factor_text
 from ..run.results import FullBatchGap, Hypotheses
 from .candidates import Candidate, factor_candidates, run_figures
 from .hypotheses import micro_sum_fit, missing_micro_batches, missing_sentence, rank_fit, term_fits
-from .pieces import all_finite, dot, max_abs, squared_distance, squared_norm
+from .pieces import PairSums, pair_sums, squared_distance
 
 # float64 evaluations of the same gradient agree to ~1e-15 of its scale; a semantic difference
 # (how the loss is normalised) is of order one.
@@ -63,16 +63,19 @@ class FactorFit:
 
 
 def full_batch_verdict(gap: FullBatchGap, accum_steps: int, world_size: int = 1,
-                       micro_batches: int | None = None, contexts: int = 1) -> FullBatchResult:
+                       micro_batches: int | None = None, contexts: int = 1,
+                       sums: dict[str, PairSums] | None = None) -> FullBatchResult:
     """Whether ``gap``'s accumulated gradient is the full batch's (within SEMANTIC_TOLERANCE of its
     largest element), and, where not, the factor between them and what it matches, or what else
     explains it (``gap.hypotheses``: the loss's additive terms, each micro-batch's own loss, the
     modules that compute over the batch). ``micro_batches`` is how many micro-batches the window
     held, where that may be fewer than ``accum_steps`` (a training stack's last window); in a
     data-parallel run of ``world_size`` ranks, per rank. ``contexts``: the devices one process
-    split each micro-batch across (``candidates.factor_candidates``)."""
-    difference, worst = largest_difference(gap.accumulated, gap.full)
-    fit = fit_factor(gap.accumulated, gap.full)
+    split each micro-batch across (``candidates.factor_candidates``). ``sums``: each tensor's
+    ``pair_sums(A, F)`` where the caller has them."""
+    sums = sums if sums is not None else tensor_sums(gap.accumulated, gap.full)
+    difference, worst = largest_difference(gap.accumulated, gap.full, sums)
+    fit = fit_factor(gap.accumulated, gap.full, sums)
     # A = F on every tensor within FACTOR_TOLERANCE, not within SEMANTIC_TOLERANCE: parts of the
     # model round in float32 whatever its dtype (Llama's RMSNorm computes in float32), and
     # batches of other shapes round differently. A normalisation is 1e-3 away at the least.
@@ -255,29 +258,37 @@ def micro_sum_sentence(factor: float, takes_item_count: bool | None, window: int
     return f"not a constant factor: {head}: the micro-batches are weighted unlike one batch"
 
 
-def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> tuple[float, str]:
+def tensor_sums(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> dict[str, PairSums]:
+    """Each tensor's A against its F, in one pass over both (``pieces.pair_sums``)."""
+    return {name: pair_sums(accumulated[name], f) for name, f in full.items()}
+
+
+def largest_difference(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray],
+                       sums: dict[str, PairSums] | None = None) -> tuple[float, str]:
     """max |A - F| over all tensors, relative to F's largest element (1 where F is all zero), and
     the tensor where it is."""
-    top = max((max_abs(f) for f in full.values()), default=0.0) or 1.0
-    gaps = {name: max_abs(accumulated[name], f) / top for name, f in full.items()}
+    sums = sums if sums is not None else tensor_sums(accumulated, full)
+    top = max((s.y_max for s in sums.values()), default=0.0) or 1.0
+    gaps = {name: s.difference_max / top for name, s in sums.items()}
     gaps = {name: gap if not math.isnan(gap) else math.inf for name, gap in gaps.items()}  # nan: no agreement
     worst = max(gaps, key=gaps.get, default="")
     return gaps.get(worst, 0.0), worst
 
 
-def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> FactorFit:
+def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray],
+               sums: dict[str, PairSums] | None = None) -> FactorFit:
     """The least-squares factors of A = cF over the tensors that carry signal (``silent_tensors``
     are left out); non-finite gradients have none."""
-    # one tensor at a time, a piece at a time, in float64: A may be held in its own dtype, and no
-    # float64 copy of all of it is made (``pieces``)
-    if not all(all_finite(accumulated[name]) and all_finite(f) for name, f in full.items()):
+    # one tensor at a time, in float64: A may be held in its own dtype, and no float64 copy of it is
+    # made (``pieces``); the sums in one pass over A and F, ||A - cF|| in a second once c is known
+    sums = sums if sums is not None else tensor_sums(accumulated, full)
+    if not all(s.finite for s in sums.values()):
         return FactorFit(None, finite=False)
-    silent = silent_tensors(accumulated, full)
+    silent = silent_tensors(accumulated, full, sums)
     names = [name for name in full if name not in silent]
-    af, ff, norms = {}, {}, {}
-    for name in names:
-        a, f = accumulated[name], full[name]
-        af[name], ff[name], norms[name] = dot(a, f), dot(f, f), math.sqrt(squared_norm(a))
+    af = {name: sums[name].xy for name in names}
+    ff = {name: sums[name].yy for name in names}
+    norms = {name: math.sqrt(sums[name].xx) for name in names}
     total = math.sqrt(sum(n * n for n in norms.values()))
     if sum(ff.values()) == 0:
         return FactorFit(None, accumulated_zero=total == 0, silent=silent)
@@ -288,21 +299,21 @@ def fit_factor(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) 
                 for name in names if name in factors or norms[name] > 0}
     left = {}
     for name in names:
-        left[name] = math.sqrt(squared_distance(accumulated[name], full[name], c))
+        left[name] = math.sqrt(sums[name].dd if c == 1.0 else squared_distance(accumulated[name], full[name], c))
     furthest = max(distance, key=distance.get, default="")
     spread = max((abs(x - c) for x in factors.values()), default=0.0) / abs(c) if c else math.inf
     return FactorFit(c, factors, furthest, spread, _ratio(math.sqrt(sum(x * x for x in left.values())), total),
                      _ratio(left[furthest], norms[furthest]) if furthest else None, total == 0, silent=silent)
 
 
-def silent_tensors(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray]) -> list[str]:
+def silent_tensors(accumulated: dict[str, np.ndarray], full: dict[str, np.ndarray],
+                   sums: dict[str, PairSums] | None = None) -> list[str]:
     """The tensors whose gradient is round-off against the largest in both A and F (SIGNAL_FLOOR):
     a tensor zero in exact arithmetic, whose factor would be noise. Not one where A has a gradient
     and F has none: that is a finding."""
-    def top(grads: dict[str, np.ndarray]) -> dict[str, float]:
-        return {name: max_abs(g) for name, g in grads.items()}
-
-    a_top, f_top = top({name: accumulated[name] for name in full}), top(full)
+    sums = sums if sums is not None else tensor_sums(accumulated, full)
+    a_top = {name: s.x_max for name, s in sums.items()}
+    f_top = {name: s.y_max for name, s in sums.items()}
     a_max, f_max = max(a_top.values(), default=0.0), max(f_top.values(), default=0.0)
     if f_max == 0:
         return []

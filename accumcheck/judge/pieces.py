@@ -1,7 +1,9 @@
 """The judge's sums over a tensor, read without float64 copies of it where it can be.
 
 float32 and float64 arrays (flat, or reshaped to flat without a copy) are read without
-temporaries: max |x - y|, x . y of float32 with float64, and ||x - c y||^2 by compiled passes,
+temporaries: ``pair_sums`` reads x and y once for every figure the judge takes of the pair (the
+maxima, finiteness, x . y, x . x, y . y and ||x - y||^2); max |x - y|, x . y of float32 with
+float64, and ||x - c y||^2 by compiled passes,
 each product and difference in float64, the sums in four running sums (element i into sum i mod 4,
 the four added at the end: the same additions on every CPU); x . y of two float64 arrays by BLAS.
 Other dtypes, and a float32 array's own squared norm, are read a piece at a time: the float64 temporaries (A
@@ -14,6 +16,7 @@ judge compares it with."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -151,6 +154,89 @@ def _squared_distance(x, y, scale):
         d = np.float64(x[i]) - scale * np.float64(y[i])
         s0 += d * d
     return (s0 + s1) + (s2 + s3)
+
+
+@dataclass(frozen=True)
+class PairSums:
+    """What the judge reads of an array x against an array y of the same size, each figure in
+    float64 as the functions above give it."""
+
+    finite: bool  # every element of both finite
+    x_max: float  # max |x| (nan where x holds a nan)
+    y_max: float  # max |y|
+    difference_max: float  # max |x - y| (nan where any difference is nan)
+    xy: float  # sum x * y
+    yy: float  # sum y * y
+    xx: float  # sum x * x
+    dd: float  # sum (x - y)^2
+
+
+def pair_sums(x: np.ndarray, y: np.ndarray) -> PairSums:
+    """x against y: contiguous float32 and float64 arrays in one compiled pass (each sum in four
+    running sums, as ``dot``), others figure by figure."""
+    flats = _compiled(x, y)
+    if flats is None:
+        return PairSums(all_finite(x) and all_finite(y), max_abs(x), max_abs(y), max_abs(x, y), dot(x, y), dot(y, y),
+                        squared_norm(x), squared_distance(x, y))
+    return PairSums(*_pair_sums(*flats))
+
+
+@njit()
+def _pair_sums(x, y):
+    """``PairSums``'s figures of flat arrays x and y in one pass: the maxima exact, each sum element
+    i into running sum i mod 4 (the four added at the end), a nan flagged where it is met."""
+    n = x.size
+    xm = ym = dm = 0.0
+    x_nan = y_nan = d_nan = False
+    bad = 0.0  # sum of x * 0 + y * 0: zero where every element is finite, nan where any is not
+    xy0 = xy1 = xy2 = xy3 = 0.0
+    yy0 = yy1 = yy2 = yy3 = 0.0
+    xx0 = xx1 = xx2 = xx3 = 0.0
+    dd0 = dd1 = dd2 = dd3 = 0.0
+    head = n - n % 4
+    for i in range(0, head, 4):
+        a0, a1, a2, a3 = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
+        b0, b1, b2, b3 = np.float64(y[i]), np.float64(y[i + 1]), np.float64(y[i + 2]), np.float64(y[i + 3])
+        d0, d1, d2, d3 = a0 - b0, a1 - b1, a2 - b2, a3 - b3
+        xy0 += a0 * b0
+        xy1 += a1 * b1
+        xy2 += a2 * b2
+        xy3 += a3 * b3
+        yy0 += b0 * b0
+        yy1 += b1 * b1
+        yy2 += b2 * b2
+        yy3 += b3 * b3
+        xx0 += a0 * a0
+        xx1 += a1 * a1
+        xx2 += a2 * a2
+        xx3 += a3 * a3
+        dd0 += d0 * d0
+        dd1 += d1 * d1
+        dd2 += d2 * d2
+        dd3 += d3 * d3
+        bad += (a0 + a1 + a2 + a3) * 0.0 + (b0 + b1 + b2 + b3) * 0.0
+        xm = max(xm, abs(a0), abs(a1), abs(a2), abs(a3))
+        ym = max(ym, abs(b0), abs(b1), abs(b2), abs(b3))
+        dm = max(dm, abs(d0), abs(d1), abs(d2), abs(d3))
+    for i in range(head, n):
+        a, b = np.float64(x[i]), np.float64(y[i])
+        d = a - b
+        xy0 += a * b
+        yy0 += b * b
+        xx0 += a * a
+        dd0 += d * d
+        bad += a * 0.0 + b * 0.0
+        xm = max(xm, abs(a))
+        ym = max(ym, abs(b))
+        dm = max(dm, abs(d))
+    if bad != 0.0:  # a nan or an infinity somewhere: found again, element by element, for the maxima
+        for i in range(n):
+            a, b = np.float64(x[i]), np.float64(y[i])
+            x_nan |= a != a
+            y_nan |= b != b
+            d_nan |= (a - b) != (a - b)
+    return (bad == 0.0, np.nan if x_nan else xm, np.nan if y_nan else ym, np.nan if d_nan else dm,
+            (xy0 + xy1) + (xy2 + xy3), (yy0 + yy1) + (yy2 + yy3), (xx0 + xx1) + (xx2 + xx3), (dd0 + dd1) + (dd2 + dd3))
 
 
 def all_finite(x: np.ndarray) -> bool:

@@ -23,8 +23,15 @@ from ..errors import AccumcheckError, NothingJudgedError
 from ..report import FullBatchResult, StackReport, StackStep
 from ..report.stack import StepPrecisionFit
 from ..run.results import FullBatchGap, StackWindow, StepPrecision
-from .fullbatch import FACTOR_TOLERANCE, SEMANTIC_TOLERANCE, FactorFit, full_batch_verdict, varying_sentence
-from .pieces import sum_of_squares
+from .fullbatch import (
+    FACTOR_TOLERANCE,
+    SEMANTIC_TOLERANCE,
+    FactorFit,
+    full_batch_verdict,
+    tensor_sums,
+    varying_sentence,
+)
+from .pieces import PairSums, sum_of_squares
 from .update import judge_update
 
 # The micro-batches' own gradients, computed in a dtype of unit round-off u, are allowed
@@ -80,12 +87,13 @@ def judge_window(window: StackWindow, accum_steps: int) -> StackStep:
     gap = FullBatchGap(normalisation="the window as one batch", accumulated_scaled_by="1",
                        accumulated=window.applied, full=window.window, item_counts=window.item_counts,
                        predicted_counts=window.predicted_counts, hypotheses=h)
+    sums = tensor_sums(window.applied, window.window)  # one pass over each tensor's A and F for both judgements
     # a window of k micro-batches over W ranks is N per rank where full: N = k / W
     result = full_batch_verdict(gap, accum_steps, world, micro_batches=len(window.micro_batches) // world or None,
-                                contexts=window.contexts)
+                                contexts=window.contexts, sums=sums)
     precision = None
     if window.precision is not None and (window.absum is not None or window.scale_norm is not None):
-        precision = precision_fit(window, accum_steps)
+        precision = precision_fit(window, accum_steps, sums)
     explanation = step_words(result.explanation)
     # below float64 the round-off is the reason A and F differ: said so, also where the factor reads as 1
     below = window.precision is not None and window.precision.reference != "float64"
@@ -102,12 +110,13 @@ def _per_rank(micro_batches: list[int], counts: list[int], world: int) -> list[i
     return [sum(c for i, c in zip(micro_batches, counts) if i % world == r) for r in range(world)]
 
 
-def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
+def precision_fit(window: StackWindow, accum_steps: int, sums: dict[str, PairSums] | None = None) -> StepPrecisionFit:
     """||A - F|| / ||S|| against the round-off of the sums the stack ran, norm-wise (Higham's
     bound of a recursive sum, per element ``gamma_n u`` x S, holds for the 2-norm too): each
     rank's sum over its n micro-batches in the accumulation dtype, the sum over the W ranks in
     the reduction dtype (its inputs rounded to it first where it is lower), the micro-batches'
-    own gradients in their compute dtype; and the same sums all in float32."""
+    own gradients in their compute dtype; and the same sums all in float32. ``sums``: each
+    tensor's ``pair_sums(A, F)`` where the caller has them."""
     p: StepPrecision = window.precision
     world = window.world_size
     local = max(1, math.ceil(len(window.micro_batches) / world))
@@ -122,7 +131,8 @@ def precision_fit(window: StackWindow, accum_steps: int) -> StepPrecisionFit:
             2 * UNIT_ROUNDOFF["float32"]
 
     top = window_scale(window)
-    gap = math.sqrt(sum(sum_of_squares(window.applied[n], f) for n, f in window.window.items()))
+    sums = sums if sums is not None else tensor_sums(window.applied, window.window)
+    gap = math.sqrt(sum(s.dd for s in sums.values()))
     error = gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
     float32 = bound("float32", "float32", "float32")
     lost = [where for where, dtype in (("the local sum", p.accumulation), ("the reduction", p.reduction),

@@ -136,3 +136,44 @@ def test_max_abs_is_numpys_maximum_for_every_dtype_nan_and_inf(pair):
     wide = x.astype(np.float64)
     for found, expected in ((pieces.max_abs(x), numpys(wide)), (pieces.max_abs(x, y), numpys(wide - y))):
         assert found == expected or (math.isnan(found) and math.isnan(expected))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([(np.float32, np.float64), (np.float64, np.float64), (np.float32, np.float32),
+                        (np.float16, np.float64), (np.float64, np.float32)]).flatmap(
+    lambda dtypes: st.integers(0, 40).flatmap(
+        lambda n: st.tuples(hnp.arrays(dtypes[0], n, elements=VALUES), hnp.arrays(dtypes[1], n, elements=VALUES)))))
+def test_pair_sums_are_the_figures_each_function_gives(pair):
+    """One pass over x and y (compiled for float32 and float64, figure by figure for others): the
+    maxima and finiteness exactly as ``max_abs`` and ``all_finite`` give them, nan and inf
+    included, and where all is finite each sum within its bound of ``math.fsum``."""
+    x, y = pair
+    found = pieces.pair_sums(x, y)
+
+    def same(a: float, b: float) -> bool:
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    assert found.finite == (pieces.all_finite(x) and pieces.all_finite(y))
+    assert same(found.x_max, pieces.max_abs(x)) and same(found.y_max, pieces.max_abs(y))
+    assert same(found.difference_max, pieces.max_abs(x, y))
+    if found.finite:
+        wide, other = x.astype(np.float64), y.astype(np.float64)
+        assert within_sum_bound(found.xy, wide * other) and within_sum_bound(found.yy, other * other)
+        assert within_sum_bound(found.xx, wide * wide) and within_sum_bound(found.dd, np.square(wide - other))
+
+
+@pytest.mark.parametrize("where", [0, 4_097, 9_999])
+def test_pair_sums_find_a_nan_or_an_infinity_anywhere(where):
+    """A nan or an infinity in x or y, at the start, in the four-wide body or in the tail: not
+    finite, and each maximum as the element makes it."""
+    a, f = arrays(10_000)
+    for bad in (np.nan, np.inf):
+        x, y = a.copy(), f.copy()
+        x[where] = bad
+        found = pieces.pair_sums(x, y)
+        assert not found.finite
+        assert math.isnan(found.x_max) if math.isnan(bad) else found.x_max == math.inf
+        assert found.y_max == pieces.max_abs(f)
+        y2 = f.copy()
+        y2[where] = -bad
+        assert not pieces.pair_sums(a, y2).finite
