@@ -99,6 +99,7 @@ class StackRecorder:
         # next window is judged in its place
         self.unsplit: dict[int, str] = {}
         self.own_seconds: dict[int, float] = {}  # the recorder's own time at each optimizer step (its cost)
+        self.probed = ""  # the count a window's probe showed the loss to be a mean over (``plan_reference``)
 
     @property
     def seen_everywhere(self) -> int:
@@ -217,7 +218,8 @@ class StackRecorder:
         try:
             with torch.enable_grad():
                 plan = plan_reference(self.window_reference, module, batches, self.labelled, self.window_loss,
-                                      self.join_window, hypotheses.by_design)
+                                      self.join_window, hypotheses.by_design, self.probed)
+                self.probed = plan.count or self.probed
                 if plan.split:  # each micro-batch's own gradient kept only where the round-off needs it
                     keep = self.precision is not None  # (a flagged window's hypotheses run them again below)
                     window, found, each = self._micro_batch_sums(module, ref_named, batches, plan.weights, keep)
@@ -303,8 +305,9 @@ class StackRecorder:
                     # a live run is never stopped by its check: a window that cannot be split is let go, said
                     choice = "auto" if self.every is not None else self.window_reference
                     plan = plan_reference(choice, module, batches, self.labelled, self.window_loss,
-                                          self.join_window, by_design) \
+                                          self.join_window, by_design, self.probed) \
                         if len(batches) > 1 else ReferencePlan(True, "one micro-batch", (1.0,))
+                    self.probed = plan.count or self.probed
                 # under a budget too, a window the probe could not decide on is let go (a later one may)
                 if not plan.split and (self.every is not None or plan.undecided):
                     self.unsplit[self.optimizer_steps] = plan.note

@@ -9,7 +9,9 @@ additive terms of its own (a mixture of experts' router loss is computed over th
 probe of two of the window's rows says how the loss combines rows: their loss together must be
 their losses weighted by their items (the labelled ones, or for a causal LM those predicted after
 its shift), and unlike what a summed loss, a mean over rows or the other count would give.
-Anything else, or a probe that cannot tell them apart, keeps the window as one batch.
+Anything else, or a probe that cannot tell them apart, keeps the window as one batch. A run's
+windows are probed until one decides; its finding (the count) holds for the later windows, whose
+other conditions are checked at each.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class ReferencePlan:
     # not split because the probe could not tell two readings of the loss apart on this window's rows
     # (a fresh model's rows lose about alike): another window may decide
     undecided: bool = False
+    # split: the count the loss was shown to be a mean over ("labelled items", "predicted labels")
+    count: str = ""
 
     @property
     def reference(self) -> str:
@@ -71,16 +75,19 @@ def reference_keyword(choice: str) -> str:
 
 def plan_reference(choice: str, module: torch.nn.Module, batches: list[Any], labelled: bool,
                    window_loss: Callable[[Any, Any], Any], join_window: Callable[[list[Any]], Any],
-                   by_design: list[str]) -> ReferencePlan:
+                   by_design: list[str], probed: str = "") -> ReferencePlan:
     """The window's reference: micro-batch by micro-batch where ``choice`` allows it and the loss is
     shown to be a mean over the window's items, else the window as one batch. With ``choice``
     "micro-batches", a window that cannot be split raises AccumcheckError (one micro-batch is its
-    own window, and never raises)."""
+    own window, and never raises). ``probed``: the count an earlier window of the same run showed
+    its loss to be a mean over (``ReferencePlan.count``); the loss is the same function in every
+    window, so this one is not probed again (the rest is checked as ever: its counts, its rows,
+    the modules that compute over the batch)."""
     if choice == "joined":
         return ReferencePlan(False, "reference='joined' asked")
     if len(batches) < 2:
         return ReferencePlan(False, "one micro-batch")
-    why = _split_plan(module, batches, labelled, window_loss, join_window, by_design)
+    why = _split_plan(module, batches, labelled, window_loss, join_window, by_design, probed)
     if isinstance(why, ReferencePlan) and why.split:
         return why
     undecided = isinstance(why, ReferencePlan)
@@ -93,7 +100,7 @@ def plan_reference(choice: str, module: torch.nn.Module, batches: list[Any], lab
 
 
 def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, window_loss: Callable[[Any, Any], Any],
-                  join_window: Callable[[list[Any]], Any], by_design: list[str]) -> ReferencePlan | str:
+                join_window: Callable[[list[Any]], Any], by_design: list[str], probed: str) -> ReferencePlan | str:
     """The split plan, or why the window's loss cannot be split (a sentence)."""
     if by_design:
         return f"{by_design[0]} computes over the batch"
@@ -110,6 +117,8 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
     row_counts = {name: [_row_counts(b, labelled, name) for b in batches] for name in counts}
     if any(r is None or len(r) != n for per in row_counts.values() for r, n in zip(per, rows)):
         return "the rows' item counts are unknown"
+    if probed in counts:
+        return _split(probed, counts[probed])
     why: str | ReferencePlan = "no two rows to probe"
     for a, b in _probe_pairs(row_counts[next(iter(counts))]):
         found = _probe(a, b, module, batches, window_loss, join_window, counts, row_counts, rows)
@@ -117,11 +126,16 @@ def _split_plan(module: torch.nn.Module, batches: list[Any], labelled: bool, win
             return found  # the loss is no mean over the items, or cannot be probed
         name, undecided = found
         if not undecided:
-            total = sum(counts[name])
-            return ReferencePlan(True, f"each micro-batch's own loss weighted by its share of the window's {name}, "
-                                       "summed in float64", tuple(c / total for c in counts[name]))
+            return _split(name, counts[name])
         why = ReferencePlan(False, undecided, undecided=True)
     return why
+
+
+def _split(name: str, counts: list[int]) -> ReferencePlan:
+    """The plan of a loss that is a mean over its ``name``: each micro-batch weighted by its share."""
+    total = sum(counts)
+    return ReferencePlan(True, f"each micro-batch's own loss weighted by its share of the window's {name}, "
+                               "summed in float64", tuple(c / total for c in counts), count=name)
 
 
 def _probe(a: tuple[int, int], b: tuple[int, int], module: Any, batches: list[Any],

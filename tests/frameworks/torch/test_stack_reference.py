@@ -62,13 +62,14 @@ def token_batches(count: int, variable: bool = True, seed: int = 1) -> list[dict
     return out
 
 
-def run_loop(fault=None, reference="auto", variable=True, windows=3):
-    """A loop over N-micro-batch windows. Correct: each micro-batch's token sum over its window's
-    labelled tokens. "micro-batch-mean": each micro-batch's own mean / N; "not-divided": each
-    micro-batch's own mean, not divided by N."""
+def run_loop(fault=None, reference="auto", variable=True, windows=3, data=None):
+    """A loop over N-micro-batch windows (of ``data`` where given). Correct: each micro-batch's token
+    sum over its window's labelled tokens. "micro-batch-mean": each micro-batch's own mean / N;
+    "not-divided": each micro-batch's own mean, not divided by N."""
     model = TokenLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = token_batches(N * windows, variable)
+    data = data or token_batches(N * windows, variable)
+    windows = len(data) // N
     items = [sum(int((b["labels"] != -100).sum()) for b in data[w * N:(w + 1) * N]) for w in range(windows)]
     check = AccumulationCheck(model, opt, reference=reference)
     with check:
@@ -162,6 +163,46 @@ def test_a_loss_not_divided_by_n_is_flagged_as_n_with_the_micro_batch_reference(
     assert {s.reference for s in report.steps} == {SPLIT}
     assert {s.verdict for s in report.steps} == {"constant-factor"}
     assert all(s.result.factor == pytest.approx(N, rel=FACTOR_TOLERANCE) for s in report.steps)
+
+
+def probes_counted(monkeypatch) -> list[int]:
+    """Each probe of two rows, counted (by the first row's micro-batch in its window)."""
+    from accumcheck.torch.stacks import reference as reference_module
+
+    calls, probe = [], reference_module._probe
+    monkeypatch.setattr(reference_module, "_probe", lambda a, *rest: calls.append(a[0]) or probe(a, *rest))
+    return calls
+
+
+def test_once_a_window_shows_the_loss_a_mean_later_windows_are_split_on_that_finding(monkeypatch):
+    """The probe runs on windows until one shows the loss to be a mean over labelled items; later
+    windows are split on that finding without a probe of their own, to the joined reference's
+    verdicts: a correct loop faithful at every step, a fault flagged at every step."""
+    calls = probes_counted(monkeypatch)
+    run_loop(windows=1)
+    first = len(calls)  # the probes of the first window alone (the same micro-batches begin every run here)
+    calls.clear()
+    report = run_loop()[0].report
+    assert [s.reference for s in report.steps] == [SPLIT] * 3 and report.exit_code == 0
+    assert len(calls) == first >= 1  # only the first window was probed
+    assert len({s.reference_note for s in report.steps}) == 1
+    calls.clear()
+    faulty = run_loop("micro-batch-mean")[0].report
+    assert len(calls) == first
+    assert [s.reference for s in faulty.steps] == [SPLIT] * 3
+    assert [s.verdict for s in faulty.steps] == ["mismatch"] * 3 and faulty.exit_code == 1
+    joined = run_loop("micro-batch-mean", reference="joined")[0].report
+    assert [s.verdict for s in joined.steps] == ["mismatch"] * 3
+
+
+def test_a_loss_that_is_no_mean_is_probed_at_every_window(monkeypatch):
+    """No finding carries over where the probe found none: a summed loss is probed again at every
+    window, and every window stays one batch."""
+    calls = probes_counted(monkeypatch)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    report = run_classifier(net, summed, divide=False).report
+    assert {s.reference for s in report.steps} == {JOINED} and len(report.steps) == 2
+    assert len(calls) == 2
 
 
 # ----------------------------------------------------------------- what must not be split
