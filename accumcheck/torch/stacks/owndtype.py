@@ -27,7 +27,7 @@ import torch
 from ...errors import AccumcheckError
 from ...files import size_text
 from ...judge import pieces
-from ...judge.hostsums import add_squares
+from ...judge.hostsums import add_squares, set_squares
 from ...judge.stack import judge_groups, judge_window, let_go_text
 from ...options.values import byte_count
 from ...report import StackStep
@@ -184,7 +184,12 @@ def gradient_bytes(p: torch.Tensor) -> int:
 class OwnDtypeReference:
     """The windows' references in the model's own dtype, in groups of tensors within ``budget``
     bytes (None: one group), each window judged as it is captured (``judge_window``), so nothing
-    of its size is kept. ``accum_steps()`` is the stack's N where the window is judged."""
+    of its size is kept. ``accum_steps()`` is the stack's N where the window is judged.
+
+    A window's float64 sums live in one buffer, of the largest group's size, that each group
+    writes over in turn: memory the system has just handed over costs a page fault at its first
+    touch (more than the sum's own pass over it, measured), so it is taken once a window, not once
+    a group. It is let go when the window is judged, so the run's own steps never hold it."""
 
     def __init__(self, budget: int | None, accum_steps: Callable[[int], int], who: str) -> None:
         self.budget = budget
@@ -212,26 +217,37 @@ class OwnDtypeReference:
                                   "memory_budget or every (or on fewer micro-batches per window)")
         groups = self.plan(named)
         dtype = _dtype_name(named)
+        sizes = {name: p.numel() for name, p in named}
+        buffer = np.empty(max((sum(sizes[name] for name in group) for group in groups), default=0))
         steps = []
         for group in groups:
             wanted = set(group)
             params = [(name, p) for name, p in named if name in wanted]
-            sums, norms = _sums(window_loss, module, params, batches, plan_.weights, join, rng_states)
-            applied = {name: _host(applied_gradient(name, p), p) for name, p in params}
-            part = StackWindow(step=window.step, micro_batches=window.micro_batches, applied=applied, window=sums,
-                               item_counts=window.item_counts, predicted_counts=window.predicted_counts,
-                               hypotheses=Hypotheses(takes_item_count=window.hypotheses.takes_item_count),
-                               world_size=window.world_size,
-                               precision=StepPrecision(accumulation=_grad_dtype(params, dtype), reduction=dtype,
-                                                       computed=computed, reference=computed),
-                               scale_norm=math.sqrt(sum(n * n for n in norms.values())),
-                               reference=window.reference, reference_note=window.reference_note)
-            steps.append(judge_window(part, self.accum_steps(len(window.micro_batches))))
-            del part, sums, applied
+            steps.append(self._group(window, module, params, applied_gradient, batches, plan_, window_loss, join,
+                                     computed, rng_states, dtype, buffer))
+        del buffer
         note = f"computed in {computed}" + (
             f"; judged in {len(groups)} group{'s' * (len(groups) != 1)} of tensors within the memory budget of "
             f"{size_text(self.budget)}" if self.budget is not None else "")
         return judge_groups(steps, note)
+
+    def _group(self, window: StackWindow, module: torch.nn.Module, params: list[tuple[str, torch.Tensor]],
+               applied_gradient: Callable[[str, Any], torch.Tensor | None], batches: list[Any], plan_: ReferencePlan,
+               window_loss: Callable[[Any, Any], Any], join: Callable[[list[Any]], Any], computed: str,
+               rng_states: list[Any] | None, dtype: str, buffer: np.ndarray) -> StackStep:
+        """One group's pass over the window's micro-batches, judged; its sums in ``buffer``, which
+        the next group writes over."""
+        sums, norms = _sums(window_loss, module, params, batches, plan_.weights, join, rng_states, buffer)
+        applied = {name: _host(applied_gradient(name, p), p) for name, p in params}
+        part = StackWindow(step=window.step, micro_batches=window.micro_batches, applied=applied, window=sums,
+                           item_counts=window.item_counts, predicted_counts=window.predicted_counts,
+                           hypotheses=Hypotheses(takes_item_count=window.hypotheses.takes_item_count),
+                           world_size=window.world_size,
+                           precision=StepPrecision(accumulation=_grad_dtype(params, dtype), reduction=dtype,
+                                                   computed=computed, reference=computed),
+                           scale_norm=math.sqrt(sum(n * n for n in norms.values())),
+                           reference=window.reference, reference_note=window.reference_note)
+        return judge_window(part, self.accum_steps(len(window.micro_batches)))
 
 
 def least_budget(named: list[tuple[str, torch.Tensor]]) -> int:
@@ -241,24 +257,38 @@ def least_budget(named: list[tuple[str, torch.Tensor]]) -> int:
 
 def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, params: list[tuple[str, torch.Tensor]],
           batches: list[Any], weights: tuple[float, ...], join: Callable[[list[Any]], Any],
-          rng_states: list[Any] | None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+          rng_states: list[Any] | None, buffer: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """F = sum_b w_b grad(loss_b) over ``params``, float64 on the host, and per tensor the sum over
     the micro-batches of ||w_b grad(loss_b)||, a bound on the norm of S = sum_b |w_b grad(loss_b)|.
     ``torch.autograd.grad`` leaves the stack's ``.grad`` as it is; a hook on each tensor (the last
     of its hooks: it sees what the user's own hooks made of the gradient) adds the gradient as the
     backward pass reaches it and hands back a zero without storage, so that a tensor's gradient is
-    freed once added and the group never holds all its gradients at once."""
-    sums = {name: np.zeros(tuple(p.shape)) for name, p in params}
+    freed once added and the group never holds all its gradients at once. The sums are views of
+    ``buffer`` (float64, flat, at least the group's size), written over: a tensor's first gradient
+    of the window is set, not added, and one that gets none is zeroed at the end."""
+    sums, at = {}, 0
+    for name, p in params:
+        sums[name] = buffer[at:at + p.numel()].reshape(tuple(p.shape))
+        at += p.numel()
     norms = {name: 0.0 for name, _ in params}
+    written: set[str] = set()
 
     def adding(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def add(grad: torch.Tensor) -> torch.Tensor:
             got = grad.detach()
+            first = name not in written
+            written.add(name)
             if got.device.type == "cpu" and got.dtype in (torch.float32, torch.float64) and got.is_contiguous():
                 # one compiled pass reads the gradient once for both
-                norms[name] += math.sqrt(add_squares(got.numpy().reshape(-1), sums[name].reshape(-1)))
+                flat = got.numpy().reshape(-1)
+                squares = set_squares(flat, sums[name].reshape(-1)) if first else \
+                    add_squares(flat, sums[name].reshape(-1))
+                norms[name] += math.sqrt(squares)
             else:
-                sums[name] += to_numpy(got)  # added into float64 element by element, no copy
+                if first:
+                    sums[name][...] = to_numpy(got)  # each element in float64, exactly
+                else:
+                    sums[name] += to_numpy(got)  # added into float64 element by element, no copy
                 norms[name] += _norm(got)
             return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
         return add
@@ -276,6 +306,9 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
     finally:
         for handle in handles:
             handle.remove()
+    for name, total in sums.items():
+        if name not in written:  # no gradient in any micro-batch: its sum is zero
+            total.fill(0.0)
     return sums, norms
 
 

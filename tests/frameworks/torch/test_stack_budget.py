@@ -168,7 +168,12 @@ def test_a_groups_reference_frees_each_tensors_gradient_once_added_and_leaves_gr
     batches = [torch.randint(0, 3000, (2, 8), generator=gen) for _ in range(3)]
     weights = (0.5, 0.25, 0.25)
     loss = lambda module, ids: module(ids, ids)  # noqa: E731
-    sums, norms = owndtype._sums(loss, model, params, batches, weights, lambda bs: bs[0], None)
+    # the sums are written over a buffer that holds the last group's (nan here): each tensor's first
+    # gradient is set, not added, and a tensor no micro-batch reaches sums to zero
+    unused = ("unused", torch.nn.Parameter(torch.ones(5, dtype=getattr(torch, dtype))))
+    buffer = np.full(sum(p.numel() for _, p in params) + 5 + 3, np.nan)
+    sums, norms = owndtype._sums(loss, model, params + [unused], batches, weights, lambda bs: bs[0], None, buffer)
+    assert not sums["unused"].any() and norms["unused"] == 0.0
     assert alive and max(alive) == 0
     assert [len(p._backward_hooks) for _, p in params] == hooks
     assert torch.equal(model.emb.weight.grad, grad_before) and model.head.weight.grad is None
