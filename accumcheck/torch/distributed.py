@@ -10,9 +10,9 @@ interleaving of DistributedSampler). One pass per rank feeds every mode:
   manual     each micro-step's gradient all-reduced (float32, mean over ranks) and added into a
              buffer of the accumulation dtype, as hand-written accumulation under DDP does
   E, S       float64 sums of the rank's micro-gradients, all-reduced in float64 at the end
-  reference  one process accumulating the W*N global micro-batches, divided by W: its micro-gradients
-             computed in a plain model on the ranks (each its own micro-batches), added in the
-             global order on rank 0, the same additions as one process's (``dpreference``)
+  reference  one process accumulating the W*N global micro-batches, divided by W: the ranks'
+             micro-gradients of this same pass, added in the global order on rank 0, the same
+             additions as one process's (``dpreference``)
 
 A communication hook wrapping DDP's own records what each rank hands to the all-reduce: its local
 no_sync total, judged against that rank's own E and S, which names the rank where an
@@ -58,7 +58,7 @@ from ..run.config import RunConfig
 from ..run.launch import launched_world_size, raise_pending
 from ..run.results import ParamAccumulation, RankAccumulation, RunResult
 from .casemodel import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
-from .dpreference import shared_reference
+from .dpreference import StreamedReference, in_global_order, oracle_reference
 from .passes import accumulate
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -299,7 +299,11 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         def no_sync_but_last(step: int) -> Any:
             return ddp.no_sync() if step < steps - 1 else contextlib.nullcontext()
 
+        width = sum(p.numel() for p in model.canonical.values())
+        reference = StreamedReference(width, world_size, rank, torch.float32, dev)
+
         def mean_over_ranks(step: Any) -> Any:
+            reference.add(step)  # the single-process reference's micro-gradient, on rank 0 in the global order
             # Started here, waited for after the next micro-step (passes.StepRecorder).
             reduced = step.clone()
             work = dist.all_reduce(reduced, async_op=True)
@@ -311,8 +315,9 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
 
         sums = accumulate(model.canonical, step_loss, steps, fault, progress, f"rank {rank}: DDP no_sync + all-reduce",
                           accum, step_context=no_sync_but_last, reduce_step=mean_over_ranks)
+        summed = reference.finish()
         buffers = sums["buffers"]
-        mine = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"],
+        mine = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"], "losses": sums["losses"],
                 "local_native": {name: to_numpy(t) for name, t in handed.items()},
                 "exact": {name: to_numpy(buffers[name][1]) for name in model.canonical},
                 "absum": {name: to_numpy(buffers[name][2]) for name in model.canonical},
@@ -320,9 +325,18 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         manual = {name: to_numpy(buffers[name][0]) for name in model.canonical}
         views: list[Any] = [None] * world_size
         dist.all_gather_object(views, mine)
-        shared = [shared_reference(case, weights, steps, world_size, rank, dev, config.oracle, progress)]
+        oracle = oracle_reference(case, weights, steps, world_size, rank, dev, progress) if config.oracle else None
+        single = None
+        if rank == 0:
+            at = 0
+            single = {}
+            for name, p in model.canonical.items():
+                single[name] = to_numpy(summed[at:at + p.numel()].view(p.shape) / world_size)
+                at += p.numel()
+        shared = [(single, oracle)]
         dist.broadcast_object_list(shared, src=0)
-        single, oracle, single_loss = shared[0]
+        single, oracle = shared[0]
+        single_loss = in_global_order([v["losses"] for v in views])
         # No rank leaves (and tears its connections down) while another still reads from it.
         dist.barrier()
 

@@ -1,15 +1,19 @@
-"""The data-parallel runner's single-process reference, computed on every rank.
+"""The data-parallel runner's single-process reference, computed by the ranks together.
 
 The reference is what one process gets by accumulating the W*N global micro-batches natively
 (``.grad`` in the parameters' dtype, in the global order 0, 1, ..., W*N - 1), divided by W. Its
 micro-gradients do not depend on which process computes them (the same model, weights, kernels
-and threads), only its additions do, and those are in order. So each rank computes, in a plain
-model of its own (no DDP), the micro-gradients of the global micro-batches it also trains on
-(rank r: k*W + r), and hands each to rank 0, which adds them in the global order: the same
+and threads), only its additions do, and those are in order. So the micro-gradients are the ones
+the ranks' own pass computes anyway (rank r: global micro-batches k*W + r; the hooks see each
+before any fault or all-reduce touches it): after each micro-step every rank hands its flat
+micro-gradient to rank 0, which adds them in the global order (``StreamedReference``): the same
 float additions, in the same order, as one process's ``.grad`` (a parameter that received no
-gradient in a micro-step is left as it was, its first gradient taken as it is), so the same
-reference bit for bit, in the time of N micro-steps instead of W*N on one rank while the others
-wait. The losses travel with the gradients and are summed in the same order.
+gradient in a micro-step adds zeros, which leave it as it was), so the same reference bit for bit,
+with no pass of its own. The losses are summed in the same order from each rank's list.
+
+The float64 oracle runs a float64 model of its own: each rank computes the micro-gradients of its
+own micro-batches in it and hands them to rank 0 the same way (``oracle_reference``), in the time
+of N micro-steps instead of W*N on one rank while the others wait.
 """
 
 from __future__ import annotations
@@ -31,17 +35,57 @@ from .casemodel import to_numpy
 _IN_FLIGHT = 2
 
 
-def shared_reference(case: Case, weights: dict[str, np.ndarray], steps: int, world_size: int, rank: int, dev: Any,
-                     oracle: bool, progress: Progress | None) -> tuple[dict, dict | None, float] | None:
-    """On every rank of the group at once: rank 0 gets (the reference, divided by W, by name; the
-    float64 model's, with ``oracle``; the mean loss), every other rank None."""
-    single, loss = _accumulated(case, weights, torch.float32, dev, steps, world_size, rank, progress,
-                                "single-process reference")
-    exact_oracle = None
-    if oracle:
-        exact_oracle, _ = _accumulated(case, weights, torch.float64, dev, steps, world_size, rank, progress,
-                                       "float64 oracle")
-    return None if rank else (single, exact_oracle, loss)
+class StreamedReference:
+    """The reference summed on rank 0 as the ranks' pass goes: ``add`` each micro-step's flat
+    micro-gradient (of ``width`` elements, every rank in the same micro-step), ``finish`` for the
+    sum in the global order (rank 0; None on the others). A rank other than 0 sends a copy, up to
+    _IN_FLIGHT at a time, so that its next micro-step overlaps with the send."""
+
+    def __init__(self, width: int, world_size: int, rank: int, dtype: Any, dev: Any) -> None:
+        self.rank = rank
+        self.total = torch.zeros(width, dtype=dtype, device=dev) if rank == 0 else None
+        self.others = [torch.empty(width, dtype=dtype, device=dev) for _ in range(1, world_size)] if rank == 0 else []
+        self.sending: deque = deque()
+
+    def add(self, step: Any) -> None:
+        if self.rank:
+            if len(self.sending) == _IN_FLIGHT:
+                out, work = self.sending.popleft()
+                work.wait()
+                out.copy_(step)
+            else:
+                out = step.clone()
+            self.sending.append((out, dist.isend(out, dst=0)))
+            return
+        works = [dist.irecv(buffer, src=r) for r, buffer in enumerate(self.others, start=1)]
+        self.total.add_(step)  # global micro-batch k*W, then k*W + 1, ...
+        for work, buffer in zip(works, self.others):
+            work.wait()
+            self.total.add_(buffer)
+
+    def finish(self) -> Any:
+        for _, work in self.sending:
+            work.wait()
+        self.sending.clear()
+        return self.total
+
+
+def in_global_order(losses: list[list[float]]) -> float:
+    """The mean of the ranks' micro-step losses (``losses[r][k]``) summed in float64 in the global
+    order k*W + r, as one process sums them."""
+    total = 0.0
+    for k in range(len(losses[0])):
+        for per_rank in losses:
+            total += per_rank[k]
+    return total / (len(losses) * len(losses[0]))
+
+
+def oracle_reference(case: Case, weights: dict[str, np.ndarray], steps: int, world_size: int, rank: int, dev: Any,
+                     progress: Progress | None) -> dict | None:
+    """On every rank of the group at once: rank 0 gets the float64 model's accumulation of the
+    W*N global micro-batches, divided by W, by name; every other rank None."""
+    exact, _ = _accumulated(case, weights, torch.float64, dev, steps, world_size, rank, progress, "float64 oracle")
+    return exact
 
 
 def _accumulated(case: Case, weights: dict[str, np.ndarray], dtype: Any, dev: Any, steps: int, world_size: int,

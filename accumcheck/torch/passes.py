@@ -216,8 +216,8 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     ``hold_refs``: the micro-gradients are held, not copied (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
     error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
     Returns {"buffers": name -> (manual, exact, absum), "native": name -> accumulated .grad,
-    "loss": mean loss, "steps_with_grad": name -> micro-steps with a gradient, for the parameters
-    that missed some}."""
+    "loss": mean loss, "losses": each micro-step's loss, "steps_with_grad": name -> micro-steps with
+    a gradient, for the parameters that missed some}."""
     recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps, hold_refs)
     handles = []
     state = {"step": 0}
@@ -254,6 +254,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
 
     first = next(iter(params.values()))
     loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
+    losses = []
     try:
         for step in range(accum_steps):
             state["step"] = step
@@ -273,6 +274,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
                     _inject_into(accumulator, target, injector, step, params[fault.param])
                 accumulator.add()
             loss_sum += loss.detach()
+            losses.append(loss.detach())
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
     finally:
@@ -283,4 +285,5 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     else:
         native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
     return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps,
+            "losses": [float(loss) for loss in losses],
             "steps_with_grad": {name: accum_steps - missed for name, missed in recorder.missing.items()}}

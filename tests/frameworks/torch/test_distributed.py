@@ -234,10 +234,12 @@ def test_oracle_and_a_float64_manual_buffer_work_on_two_ranks():
 
 
 @pytest.mark.parametrize("case", ["conditional-branch", "padded-tokens"])
-def test_the_reference_computed_on_every_rank_is_one_process_accumulation_bit_for_bit(case):
-    """Each rank computes the micro-gradients of its own global micro-batches and rank 0 adds them
-    in the global order: the very result of one process accumulating all W*N natively (a branch
-    some micro-steps leave without a gradient; a loss divided by the window's token count)."""
+def test_the_reference_summed_from_the_ranks_pass_is_one_process_accumulation_bit_for_bit(case):
+    """Each rank hands rank 0 the micro-gradients of its own global micro-batches from its pass, and
+    rank 0 adds them in the global order: the very result of one process accumulating all W*N
+    natively (a branch some micro-steps leave without a gradient; a loss divided by the window's
+    token count), and its mean loss summed in the same order. The float64 oracle, which runs a
+    model of its own, likewise."""
     import numpy as np
     import torch
 
