@@ -121,3 +121,27 @@ def test_ratios_to_a_zero_bound_raise_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ratios_to(np.array([1.0, 0.0]), np.array([0.0, 0.0])).tolist() == [math.inf, 0.0]
+
+
+RATIO_VALUES = [0.0, 1.0, -2.5, 3e38, np.nan, np.inf, -np.inf, 1e-30]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_compiled_worst_ratio_is_the_largest_of_bound_ratios_and_its_first_place(seed):
+    """float32 and float64 arrays go through one compiled pass: the same largest ratio as
+    ``bound_ratios`` (nan excess infinite, 0/0 and inf/inf nought, a zero bound under an excess
+    infinite) and the first index where it is, as ``np.argmax``; strided arrays the numpy way."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 12))
+    pick = lambda: rng.choice(RATIO_VALUES + list(rng.standard_normal(4)), n)  # noqa: E731
+    values = pick().astype(rng.choice([np.float32, np.float64]))
+    exact, absum = pick(), np.abs(pick())
+    bound = ModeBound("float32", 1, float(rng.choice([0.0, 0.25])), float(rng.choice([0.0, 1e-3])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ratios = bound_ratios(values, exact, absum, bound)
+        expected = (float(ratios.max()), int(np.argmax(ratios))) if n else (0.0, -1)
+    assert worst_ratio(values, exact, absum, bound) == expected
+    strided = np.repeat(values, 2)[::2]
+    assert not strided.flags.c_contiguous or n <= 1
+    assert worst_ratio(strided, exact, absum, bound) == expected
