@@ -254,7 +254,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
 
     first = next(iter(params.values()))
     loss_sum = torch.zeros((), dtype=torch.float64, device=first.device)
-    losses = []
+    losses = None
     try:
         for step in range(accum_steps):
             state["step"] = step
@@ -274,7 +274,9 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
                     _inject_into(accumulator, target, injector, step, params[fault.param])
                 accumulator.add()
             loss_sum += loss.detach()
-            losses.append(loss.detach())
+            if losses is None:  # one tensor for every step's loss: no device sync, nothing kept alive
+                losses = torch.empty(accum_steps, dtype=loss.dtype, device=loss.device)
+            losses[step] = loss.detach()
             if progress is not None:
                 progress(phase, step + 1, accum_steps)
     finally:
@@ -285,5 +287,5 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     else:
         native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
     return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps,
-            "losses": [float(loss) for loss in losses],
+            "losses": [] if losses is None else losses.tolist(),
             "steps_with_grad": {name: accum_steps - missed for name, missed in recorder.missing.items()}}
