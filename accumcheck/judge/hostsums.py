@@ -84,49 +84,29 @@ def add_held(addresses, spans, manual, exact, absum):
 
 
 @njit()
-def add_squares(grad, total):
-    """total += grad in float64, element by element, and the sum of grad's squares in float64, in
-    one pass over ``grad`` (flat arrays of one length; four running sums of the squares, each
-    element's square in one of them, so the pass is not one chain of dependent additions)."""
+def add_squares(grad, total, first=False):
+    """total += grad in float64, element by element (total = grad with ``first``: a total that
+    holds nothing yet is written, not read), and the sum of grad's squares in float64, in one pass
+    over ``grad`` (flat arrays of one length; four running sums of the squares, each element's
+    square in one of them, so the pass is not one chain of dependent additions)."""
     n = grad.size
     s0 = s1 = s2 = s3 = 0.0
     head = n - n % 4
     for i in range(0, head, 4):
         w0, w1, w2, w3 = np.float64(grad[i]), np.float64(grad[i + 1]), np.float64(grad[i + 2]), np.float64(grad[i + 3])
-        total[i] += w0
-        total[i + 1] += w1
-        total[i + 2] += w2
-        total[i + 3] += w3
+        if first:
+            total[i], total[i + 1], total[i + 2], total[i + 3] = w0, w1, w2, w3
+        else:
+            total[i] += w0
+            total[i + 1] += w1
+            total[i + 2] += w2
+            total[i + 3] += w3
         s0 += w0 * w0
         s1 += w1 * w1
         s2 += w2 * w2
         s3 += w3 * w3
     for i in range(head, n):
         w = np.float64(grad[i])
-        total[i] += w
-        s0 += w * w
-    return (s0 + s1) + (s2 + s3)
-
-
-@njit()
-def set_squares(grad, total):
-    """total = grad in float64, element by element, and the sum of grad's squares in float64, in
-    one pass (``add_squares`` for a total that holds nothing yet: written, not read)."""
-    n = grad.size
-    s0 = s1 = s2 = s3 = 0.0
-    head = n - n % 4
-    for i in range(0, head, 4):
-        w0, w1, w2, w3 = np.float64(grad[i]), np.float64(grad[i + 1]), np.float64(grad[i + 2]), np.float64(grad[i + 3])
-        total[i] = w0
-        total[i + 1] = w1
-        total[i + 2] = w2
-        total[i + 3] = w3
-        s0 += w0 * w0
-        s1 += w1 * w1
-        s2 += w2 * w2
-        s3 += w3 * w3
-    for i in range(head, n):
-        w = np.float64(grad[i])
-        total[i] = w
+        total[i] = w if first else total[i] + w
         s0 += w * w
     return (s0 + s1) + (s2 + s3)

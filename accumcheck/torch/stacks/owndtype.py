@@ -27,7 +27,7 @@ import torch
 from ...errors import AccumcheckError
 from ...files import size_text
 from ...judge import pieces
-from ...judge.hostsums import add_squares, set_squares
+from ...judge.hostsums import add_squares
 from ...judge.stack import judge_groups, judge_window, let_go_text
 from ...options.values import byte_count
 from ...report import StackStep
@@ -281,9 +281,7 @@ def _sums(window_loss: Callable[[Any, Any], Any], module: torch.nn.Module, param
             if got.device.type == "cpu" and got.dtype in (torch.float32, torch.float64) and got.is_contiguous():
                 # one compiled pass reads the gradient once for both
                 flat = got.numpy().reshape(-1)
-                squares = set_squares(flat, sums[name].reshape(-1)) if first else \
-                    add_squares(flat, sums[name].reshape(-1))
-                norms[name] += math.sqrt(squares)
+                norms[name] += math.sqrt(add_squares(flat, sums[name].reshape(-1), first))
             else:
                 if first:
                     sums[name][...] = to_numpy(got)  # each element in float64, exactly
