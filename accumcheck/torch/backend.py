@@ -49,6 +49,9 @@ class TorchBackend(Backend):
     def run(self, config: RunConfig, progress: Progress | None = None,
             weights: dict[str, np.ndarray] | None = None) -> RunResult:
         if config.world_size is not None:
+            from .forkserver import start_early
+
+            start_early()  # the ranks' server imports PyTorch while this process does
             from .distributed import run_data_parallel
 
             return run_data_parallel(config, self.versions(), progress)

@@ -20,7 +20,7 @@ accumulation went wrong. Every rank gathers every other rank's view and returns 
 RunResult, so a run started by torchrun reports the same on each rank (the CLI prints rank 0's).
 
 Launch: ``torch.multiprocessing`` starts W processes on this machine (forked from a server that
-has imported PyTorch once; rendezvous through a file), unless the process already belongs to a
+has imported PyTorch once, ``forkserver``; rendezvous through a file), unless the process already belongs to a
 job: started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set: env:// rendezvous),
 or with a process group already initialised. Ranks it starts end with the run: an interrupted run
 (Ctrl-C; SIGTERM or SIGHUP on the command line) ends them before it returns, and a rank whose
@@ -59,6 +59,7 @@ from ..run.launch import launched_world_size, raise_pending
 from ..run.results import ParamAccumulation, RankAccumulation, RunResult
 from .casemodel import build_model, case_loss, deterministic, isolated, to_inputs, to_numpy
 from .dpreference import StreamedReference, in_global_order, oracle_reference
+from .forkserver import start_method
 from .passes import accumulate
 
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -134,17 +135,6 @@ def _backend_for(device: str) -> str:
 # ----------------------------------------------------------------------------- launching
 
 
-def _start_method() -> str:
-    """How ranks are started: from a fork server that has imported PyTorch and this module once,
-    and loaded the compiled kernel a rank calls (``rankserver``), so that a rank starts in
-    milliseconds instead of importing PyTorch again (the server never runs a PyTorch operation,
-    so it has no threads a fork could break); where a platform has no fork server, spawned afresh."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload([__name__.rpartition(".")[0] + ".rankserver"])
-    return "forkserver"
-
-
 def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> RunResult:
     """Start ``world_size`` processes with torch.multiprocessing and return rank 0's result.
 
@@ -153,7 +143,7 @@ def _spawn(job: dict[str, Any], world_size: int, progress: Progress | None) -> R
     still running are ended here. Where this process dies without a word (SIGKILL), each rank
     ends itself (``_end_with_parent``); the fork server, which stays for the next run, ends when
     its last client (this process and its ranks) has."""
-    method = _start_method()
+    method = start_method()
     with tempfile.TemporaryDirectory(prefix="accumcheck-ddp-") as folder:
         queue = mp.get_context(method).SimpleQueue()
         # Daemonic: were the ranks ever still running when this process exits, multiprocessing

@@ -193,6 +193,34 @@ def test_gpu_without_cuda_is_a_usage_error():
     assert "CUDA is not available" in result.stderr and "use --device cpu (gloo)" in result.stderr
 
 
+FORK_SERVER_CHILDREN = """
+import os, sys, time
+from pathlib import Path
+from accumcheck.torch.forkserver import start_early
+
+start_early()
+time.sleep(0.5)
+children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and (p / "stat").exists()
+            and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+print(sum(b"multiprocessing.forkserver" in (p / "cmdline").read_bytes() for p in children),
+      "torch" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="lists the process's children through /proc")
+@pytest.mark.parametrize("launched", [False, True])
+def test_the_fork_server_starts_before_pytorch_is_imported_and_never_under_torchrun(launched):
+    """A data-parallel run starts its ranks' fork server first thing, without importing PyTorch, so
+    that the server's import and its own run side by side; a rank of a torchrun job starts none."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if launched:
+        env.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    done = subprocess.run([sys.executable, "-c", FORK_SERVER_CHILDREN], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["0", "False"] if launched else ["1", "False"])
+
+
 @pytest.mark.gpu
 def test_nccl_on_the_gpus():
     import torch
