@@ -76,12 +76,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 pytest_plugins = ["pytester"]
 
-# The default suite runs a bounded number of examples per property; `--hypothesis-profile thorough`
-# runs at least 10,000 each.
+# The default suite runs a bounded number of examples per property; CI's long checks
+# (`--hypothesis-profile long`, ci/slow.sh) 2,000 each, drawn afresh at every run; `--hypothesis-profile
+# thorough` (by hand) 10,000 each.
 settings.register_profile("default", max_examples=200, deadline=None)
 # Hypothesis loads its "ci" profile where CI is set: the same 200 examples, derandomized (a run in CI
 # replays exactly), with no example database.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True, database=None)
+settings.register_profile("long", max_examples=2_000, deadline=None)
 settings.register_profile("thorough", max_examples=10_000, deadline=None)
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None

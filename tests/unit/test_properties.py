@@ -4,7 +4,8 @@ No false positives: every correct accumulation of generated micro-gradients (seq
 order, pairwise, compensated, float32) is judged within the bound. No false negatives: a dropped,
 doubled or scaled micro-step, or a bfloat16 accumulation, whose effect exceeds the bound is
 flagged, on the perturbed tensor and no other. The default profile runs a bounded number of
-examples; `pytest tests/test_properties.py --hypothesis-profile thorough` runs 10,000 each.
+examples (200); CI's `--hypothesis-profile long` 2,000 each, drawn afresh at every run;
+`pytest tests/unit/test_properties.py --hypothesis-profile thorough` 10,000 each.
 """
 
 import dataclasses
