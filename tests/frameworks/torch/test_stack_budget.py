@@ -134,6 +134,7 @@ def test_a_budget_groups_its_float64_sums_so_they_never_exceed_it(monkeypatch, p
         monkeypatch.setattr(pieces, "PIECE", piece)
     plain, model = traced_peak(checked=False)
     tight = owndtype.least_budget(list(model.named_parameters()))
+    traced_peak(tight)  # the judge's compiled passes loaded (compiled, where numba's cache is cold) first
     grouped, _ = traced_peak(tight)
     whole, _ = traced_peak()
     assert grouped - plain <= tight - FIXED_BYTES
