@@ -19,12 +19,12 @@ no_sync total, judged against that rank's own E and S, which names the rank wher
 accumulation went wrong. Every rank gathers every other rank's view and returns the same
 RunResult, so a run started by torchrun reports the same on each rank (the CLI prints rank 0's).
 
-Launch: ``torch.multiprocessing`` starts W processes on this machine (forked from a server that
-has imported PyTorch once, ``forkserver``; rendezvous through a file), unless the process already belongs to a
-job: started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set: env:// rendezvous),
-or with a process group already initialised. Ranks it starts end with the run: an interrupted run
-(Ctrl-C; SIGTERM or SIGHUP on the command line) ends them before it returns, and a rank whose
-starting process is gone (even SIGKILLed) ends itself.
+Launch: ``torch.multiprocessing`` starts W processes on this machine (forked from a server that has
+imported PyTorch once, ``forkserver``; rendezvous through a file), unless the process already
+belongs to a job: started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set: env://
+rendezvous), or with a process group already initialised. Ranks it starts end with the run: an
+interrupted run (Ctrl-C; SIGTERM or SIGHUP on the command line) ends them before it returns, and a
+rank whose starting process is gone (even SIGKILLed) ends itself.
 """
 
 from __future__ import annotations

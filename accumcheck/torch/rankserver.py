@@ -1,11 +1,11 @@
-"""What the fork server that starts data-parallel ranks (``forkserver``) loads once,
-so that no rank loads it again: PyTorch and the runner (this module's import), and the compiled
-kernel each rank's micro-steps call (``hostsums.add_wide``, read from numba's cache in a few
-hundred milliseconds), and ``torch._dynamo``, which DistributedDataParallel's constructor imports
-on first use to read its optimizer mode (over a second, in every rank that builds one). Calling a numba kernel runs no PyTorch operation: the server still has no
-thread a fork could break. Then every object the server holds is moved out of the garbage
-collector's sight (``gc.freeze``): a rank inherits them and never frees them, and its collections,
-the full one before it leaves the process group included, look only at its own objects."""
+"""What the fork server that starts data-parallel ranks (``forkserver``) loads once, so that no rank
+loads it again: PyTorch and the runner (this module's import), ``torch._dynamo`` (which
+DistributedDataParallel's constructor imports on first use, to read its optimizer mode), and the
+compiled kernel each rank's micro-steps call (``hostsums.add_wide``, read from numba's cache).
+Calling a numba kernel runs no PyTorch operation: the server still has no thread a fork could break.
+Then every object the server holds is moved out of the garbage collector's sight (``gc.freeze``): a
+rank inherits them and never frees them, and its collections, the full one before it leaves the
+process group included, look only at its own objects."""
 
 from __future__ import annotations
 

@@ -194,12 +194,11 @@ def test_gpu_without_cuda_is_a_usage_error():
 
 
 FORK_SERVER_CHILDREN = """
-import os, sys, time
+import os, sys
 from pathlib import Path
 from accumcheck.torch.forkserver import start_early
 
-start_early()
-time.sleep(0.5)
+start_early()  # returns once the server's process has been started (forked and executed)
 children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and (p / "stat").exists()
             and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
 print(sum(b"multiprocessing.forkserver" in (p / "cmdline").read_bytes() for p in children),
