@@ -389,9 +389,9 @@ def _plain_ddp_rank(rank: int, world: int, folder: str, steps: int) -> None:
 
 def bench_data_parallel(steps: int, reps: int, world: int = 2) -> dict:
     """compare(world_size=2) over the plain DDP job, both started the same way (torch.multiprocessing
-    with accumcheck's start method, gloo, W ranks on this machine): what the per-micro-step
-    all-reduce of manual, the float64 sums, gathering every rank's view, the single-process
-    reference and judging add."""
+    with accumcheck's start method, gloo, W ranks on this machine): what the float64 sums, the
+    micro-gradients sent to rank 0 for the single-process reference and manual, gathering every
+    rank's view and judging add."""
     import tempfile
 
     import torch.multiprocessing as mp

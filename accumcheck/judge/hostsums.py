@@ -23,16 +23,6 @@ def add_step(grad, manual, exact, absum):
 
 
 @njit()
-def add_wide(grad, exact, absum):
-    """exact += grad and absum += |grad| (in float64), in one pass: ``add_step`` without manual
-    (data parallel: manual adds the all-reduced step instead)."""
-    for i in range(grad.size):
-        wide = np.float64(grad[i])
-        exact[i] += wide
-        absum[i] += abs(wide)
-
-
-@njit()
 def add_eight_steps(g0, g1, g2, g3, g4, g5, g6, g7, manual, exact, absum):
     """``add_step`` for eight micro-steps in their order, in one pass: every element's sums take
     the same additions in the same order (bit for bit), but manual, E and S are read and written

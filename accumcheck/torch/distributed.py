@@ -7,17 +7,20 @@ interleaving of DistributedSampler). One pass per rank feeds every mode:
   native     DDP with ``no_sync()`` for micro-steps 0..N-2: ``.grad`` accumulates locally and
              the last micro-step's backward all-reduces the totals (mean over ranks), in
              ``reduce_dtype`` through DDP's own communication hooks
-  manual     each micro-step's gradient all-reduced (float32, mean over ranks) and added into a
-             buffer of the accumulation dtype, as hand-written accumulation under DDP does
-  E, S       float64 sums of the rank's micro-gradients, all-reduced in float64 at the end
+  manual     each micro-step's gradient averaged over the ranks (float32, what an all-reduce of it
+             gives) and added into a buffer of the accumulation dtype, as hand-written
+             accumulation under DDP does; summed on rank 0 beside the reference (``dpreference``)
+  E, S       float64 sums of the rank's micro-gradients, summed over the ranks at the end
   reference  one process accumulating the W*N global micro-batches, divided by W: the ranks'
              micro-gradients of this same pass, added in the global order on rank 0, the same
              additions as one process's (``dpreference``)
 
 A communication hook wrapping DDP's own records what each rank hands to the all-reduce: its local
 no_sync total, judged against that rank's own E and S, which names the rank where an
-accumulation went wrong. Every rank gathers every other rank's view and returns the same
-RunResult, so a run started by torchrun reports the same on each rank (the CLI prints rank 0's).
+accumulation went wrong. Under torchrun (or in a process group the caller made) every rank
+gathers every other rank's view and returns the same RunResult, so each rank reports the same
+(the CLI prints rank 0's); of ranks started here only rank 0's result is read, so only rank 0
+gathers.
 
 Launch: ``torch.multiprocessing`` starts W processes on this machine (forked from a server that has
 imported PyTorch once, ``forkserver``; rendezvous through a file), unless the process already
@@ -216,8 +219,8 @@ def _spawned(rank: int, world_size: int, folder: str, job: dict[str, Any], queue
         queue.put((phase, done, total))
 
     try:
-        dist.init_process_group(_backend_for(job["config"].device), init_method=f"file://{folder}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=_TIMEOUT)
+        dist.init_process_group(_backend_for(job["config"].device), init_method=f"file://{folder}/rendezvous",
+                                rank=rank, world_size=world_size, timeout=_TIMEOUT)
         try:
             result = _rank_run(job, rank, world_size, "torch.multiprocessing", report if rank == 0 else None)
         finally:
@@ -227,7 +230,7 @@ def _spawned(rank: int, world_size: int, folder: str, job: dict[str, Any], queue
         sys.exit(2)
     if rank == 0:
         with open(Path(folder) / "result.pkl", "wb") as handle:
-            pickle.dump(result, handle)
+            pickle.dump(result, handle, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -265,7 +268,9 @@ def _threads_per_rank(dev: Any, local_world: int, launcher: str) -> Any:
 
 
 def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
-              progress: Progress | None) -> RunResult:
+              progress: Progress | None) -> RunResult | None:
+    """This rank's part of the run: its RunResult (the same on every rank), or None on a rank
+    other than 0 of ranks spawned here (only rank 0's result is read)."""
     config: RunConfig = job["config"]
     case, steps = config.case, config.accum_steps
     local_rank, local_world = _local_rank(rank, world_size, launcher)
@@ -290,45 +295,36 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
             return ddp.no_sync() if step < steps - 1 else contextlib.nullcontext()
 
         width = sum(p.numel() for p in model.canonical.values())
-        reference = StreamedReference(width, world_size, rank, torch.float32, dev)
-
-        def mean_over_ranks(step: Any) -> Any:
-            reference.add(step)  # the single-process reference's micro-gradient, on rank 0 in the global order
-            # Started here, waited for after the next micro-step (passes.StepRecorder).
-            reduced = step.clone()
-            work = dist.all_reduce(reduced, async_op=True)
-
-            def mean() -> Any:
-                work.wait()
-                return reduced.div_(world_size)
-            return mean
-
+        # Each micro-gradient goes to rank 0, which sums the single-process reference and manual.
+        reference = StreamedReference(width, world_size, rank, torch.float32, accum, dev)
+        # (The recorder's manual buffer holds this rank's own sum, which nothing reads.)
         sums = accumulate(model.canonical, step_loss, steps, fault, progress, f"rank {rank}: DDP no_sync + all-reduce",
-                          accum, step_context=no_sync_but_last, reduce_step=mean_over_ranks)
-        summed = reference.finish()
+                          accum, step_context=no_sync_but_last, on_step=reference.add)
+        summed, manual_flat = reference.finish()
         buffers = sums["buffers"]
-        mine = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"], "losses": sums["losses"],
-                "local_native": {name: to_numpy(t) for name, t in handed.items()},
-                "exact": {name: to_numpy(buffers[name][1]) for name in model.canonical},
-                "absum": {name: to_numpy(buffers[name][2]) for name in model.canonical},
-                "native": {name: to_numpy(g) for name, g in sums["native"].items()}}
-        manual = {name: to_numpy(buffers[name][0]) for name in model.canonical}
-        views: list[Any] = [None] * world_size
-        dist.all_gather_object(views, mine)
+        # Spawned here, only rank 0's result is read: the others hand it their arrays and return.
+        everyone = launcher != "torch.multiprocessing"
+        summary = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"], "losses": sums["losses"],
+                   "handed": [name in handed for name in model.canonical]}
+        views = _gather_views(model.canonical, summary, handed, buffers, sums["native"], rank, world_size, everyone)
         oracle = oracle_reference(case, weights, steps, world_size, rank, dev, progress) if config.oracle else None
-        single = None
+        single = manual = None
         if rank == 0:
             at = 0
-            single = {}
+            single, manual = {}, {}
             for name, p in model.canonical.items():
                 single[name] = to_numpy(summed[at:at + p.numel()].view(p.shape) / world_size)
+                manual[name] = to_numpy(manual_flat[at:at + p.numel()].view(p.shape))
                 at += p.numel()
-        shared = [(single, oracle)]
-        dist.broadcast_object_list(shared, src=0)
-        single, oracle = shared[0]
-        single_loss = in_global_order([v["losses"] for v in views])
+        if everyone:
+            shared = [(single, manual, oracle)]
+            dist.broadcast_object_list(shared, src=0)
+            single, manual, oracle = shared[0]
         # No rank leaves (and tears its connections down) while another still reads from it.
         dist.barrier()
+    if views is None:
+        return None
+    single_loss = in_global_order([v["losses"] for v in views])
 
     missing = [name for name in model.canonical if any(name not in v["local_native"] for v in views)]
     if missing:
@@ -352,12 +348,70 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         fault_rank=config.fault_rank if config.fault else None,
         native="DistributedDataParallel, no_sync() for micro-steps 1..N-1, all-reduce (mean) on the last"
                + (f", {reduce_dtype} communication hook" if reduce_dtype != "float32" else ""),
-        manual=f"all-reduce (float32, mean) of every micro-step's gradient into a {config.accum_dtype} buffer",
+        manual=f"every micro-step's gradient averaged over the ranks (float32, as an all-reduce) into a "
+               f"{config.accum_dtype} buffer",
         reference=f"one process, the {world_size * steps} global micro-batches, divided by {world_size}",
         micro_batches="rank r, micro-step k: global micro-batch k*W + r")
     return RunResult(params=params, framework="torch", versions=job["versions"], device=name, param_dtype="float32",
                      accum_dtype=config.accum_dtype, losses=losses, settings=settings, ranks=ranks,
                      data_parallel=setup)
+
+
+def _gather_views(params: dict[str, Any], summary: dict[str, Any], handed: dict[str, Any],
+                  buffers: dict[str, tuple[Any, Any, Any]], native: dict[str, Any], rank: int, world_size: int,
+                  everyone: bool) -> list[dict[str, Any]] | None:
+    """Every rank's view on rank 0 (on every rank when ``everyone``), in rank order, None on a
+    rank that gets none: its ``summary`` (rank, host, losses, which parameters DDP handed to the
+    all-reduce) and, by parameter name, ``local_native`` (what DDP handed), ``exact`` and ``absum``
+    (its E and S) and ``native`` (its gradient after the all-reduce). The arrays travel as two flat
+    tensors per rank, point to point (pickled objects took much longer on gloo)."""
+    summaries: list[Any] = [None] * world_size
+    dist.all_gather_object(summaries, summary)
+    narrow, wide = _flat_view(params, handed, buffers, native)
+    flats: list[Any] = [None] * world_size
+    flats[rank] = (narrow, wide)
+    ops = []
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        if everyone or peer == 0:
+            ops += [dist.P2POp(dist.isend, narrow, peer), dist.P2POp(dist.isend, wide, peer)]
+        if everyone or rank == 0:
+            flats[peer] = (torch.empty_like(narrow), torch.empty_like(wide))
+            ops += [dist.P2POp(dist.irecv, flats[peer][0], peer), dist.P2POp(dist.irecv, flats[peer][1], peer)]
+    if ops:  # batched: NCCL would deadlock on two ranks that each send before they receive
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if not (everyone or rank == 0):
+        return None
+    views = []
+    for summary_of, (narrow_of, wide_of) in zip(summaries, flats):
+        narrow_of, wide_of = narrow_of.cpu().numpy(), wide_of.cpu().numpy()
+        local_native, native_of, exact, absum = {}, {}, {}, {}
+        at, width = 0, narrow_of.size // 2
+        for name, p, got in zip(params, params.values(), summary_of.pop("handed")):
+            span = slice(at, at + p.numel())
+            if got:
+                local_native[name] = narrow_of[span].reshape(p.shape)
+            native_of[name] = narrow_of[width:][span].reshape(p.shape)
+            exact[name] = wide_of[span].reshape(p.shape)
+            absum[name] = wide_of[width:][span].reshape(p.shape)
+            at += p.numel()
+        views.append({**summary_of, "local_native": local_native, "native": native_of, "exact": exact,
+                      "absum": absum})
+    return views
+
+
+def _flat_view(params: dict[str, Any], handed: dict[str, Any], buffers: dict[str, tuple[Any, Any, Any]],
+               native: dict[str, Any]) -> tuple[Any, Any]:
+    """This rank's arrays, parameters in order: float32 (what DDP handed, zeros where it handed
+    nothing, then the gradient after the all-reduce) and float64 (E, then S)."""
+    narrow = torch.cat([(handed[name] if name in handed else torch.zeros_like(p)).reshape(-1).float()
+                        for name, p in params.items()]
+                       + [native[name].reshape(-1).float() for name in params])
+    wide = torch.cat([buffers[name][1].reshape(-1) for name in params]
+                     + [buffers[name][2].reshape(-1) for name in params])
+    return narrow, wide
 
 
 def _record_comm_hook(ddp: Any, params: dict[str, Any], reduce_dtype: str) -> dict[str, Any]:

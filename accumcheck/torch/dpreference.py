@@ -9,7 +9,8 @@ before any fault or all-reduce touches it): after each micro-step every rank han
 micro-gradient to rank 0, which adds them in the global order (``StreamedReference``): the same
 float additions, in the same order, as one process's ``.grad`` (a parameter that received no
 gradient in a micro-step adds zeros, which leave it as it was), so the same reference bit for bit,
-with no pass of its own. The losses are summed in the same order from each rank's list.
+with no pass of its own. From the same micro-gradients rank 0 sums manual: each micro-step's
+mean over the ranks, as an all-reduce of it gives, added in step order. The losses are summed in the same order from each rank's list.
 
 The float64 oracle runs a float64 model of its own: each rank computes the micro-gradients of its
 own micro-batches in it and hands them to rank 0 the same way (``oracle_reference``), in the time
@@ -36,38 +37,65 @@ _IN_FLIGHT = 2
 
 
 class StreamedReference:
-    """The reference summed on rank 0 as the ranks' pass goes: ``add`` each micro-step's flat
-    micro-gradient (of ``width`` elements, every rank in the same micro-step), ``finish`` for the
-    sum in the global order (rank 0; None on the others). A rank other than 0 sends a copy, up to
-    _IN_FLIGHT at a time, so that its next micro-step overlaps with the send."""
+    """The reference and manual summed on rank 0 as the ranks' pass goes: ``add`` each micro-step's
+    flat micro-gradient (of ``width`` elements, every rank in the same micro-step), ``finish``
+    for the sum in the global order and manual (rank 0; None and None on the others).
 
-    def __init__(self, width: int, world_size: int, rank: int, dtype: Any, dev: Any) -> None:
+    Manual is what hand-written accumulation under DDP adds at each micro-step: the step's mean
+    over ranks (float32, summed in rank order and divided by W, as an all-reduce of it), added into
+    a buffer of ``accum_dtype``. Rank 0 adds step k once step k + 1 is handed to it, so that the
+    other ranks' step k arrives while it computes: the steps it is handed must stay as they are
+    for two further steps (``passes.StepRecorder``'s rows do), and a rank other than 0 sends its
+    step itself, up to _IN_FLIGHT at a time, without a copy."""
+
+    def __init__(self, width: int, world_size: int, rank: int, dtype: Any, accum_dtype: Any, dev: Any) -> None:
         self.rank = rank
-        self.total = torch.zeros(width, dtype=dtype, device=dev) if rank == 0 else None
-        self.others = [torch.empty(width, dtype=dtype, device=dev) for _ in range(1, world_size)] if rank == 0 else []
+        self.world_size = world_size
         self.sending: deque = deque()
+        self.pending: tuple | None = None  # rank 0: (its step, the receives, their buffers) not yet added
+        self.total = self.manual = self.mean = None
+        self.others: list = []
+        if rank == 0:
+            self.total = torch.zeros(width, dtype=dtype, device=dev)
+            self.manual = torch.zeros(width, dtype=accum_dtype, device=dev)
+            self.mean = torch.empty(width, dtype=dtype, device=dev)
+            # Step k + 1 arrives while step k is added: two sets of buffers, used in turn.
+            self.others = [[torch.empty(width, dtype=dtype, device=dev) for _ in range(1, world_size)]
+                           for _ in range(_IN_FLIGHT)]
+        self.steps = 0
 
     def add(self, step: Any) -> None:
         if self.rank:
             if len(self.sending) == _IN_FLIGHT:
-                out, work = self.sending.popleft()
-                work.wait()
-                out.copy_(step)
-            else:
-                out = step.clone()
-            self.sending.append((out, dist.isend(out, dst=0)))
+                self.sending.popleft().wait()
+            self.sending.append(dist.isend(step, dst=0))
             return
-        works = [dist.irecv(buffer, src=r) for r, buffer in enumerate(self.others, start=1)]
+        others = self.others[self.steps % _IN_FLIGHT]
+        self.steps += 1
+        works = [dist.irecv(buffer, src=r) for r, buffer in enumerate(others, start=1)]
+        self._add_pending()
+        self.pending = (step, works, others)
+
+    def _add_pending(self) -> None:
+        if self.pending is None:
+            return
+        step, works, others = self.pending
+        self.pending = None
         self.total.add_(step)  # global micro-batch k*W, then k*W + 1, ...
-        for work, buffer in zip(works, self.others):
+        self.mean.copy_(step)
+        for work, buffer in zip(works, others):
             work.wait()
             self.total.add_(buffer)
+            self.mean.add_(buffer)
+        self.manual.add_(self.mean.div_(self.world_size))
 
-    def finish(self) -> Any:
-        for _, work in self.sending:
+    def finish(self) -> tuple[Any, Any]:
+        """(the reference's sum, manual) on rank 0, (None, None) on the others, every send done."""
+        self._add_pending()
+        for work in self.sending:
             work.wait()
         self.sending.clear()
-        return self.total
+        return self.total, self.manual
 
 
 def in_global_order(losses: list[list[float]]) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import USER_EXCEPTIONS, AccumcheckError
-from ..judge.hostsums import add_held, add_step, add_wide
+from ..judge.hostsums import add_held, add_step
 from ..run.backend import Progress
 from ..run.faults import Fault, FaultInjector
 from .accumulator import GradAccumulator
@@ -28,6 +28,9 @@ from .accumulator import GradAccumulator
 # HELD_BYTES: eight separate passes would read and write manual, E and S eight times.
 HELD_STEPS = 8
 HELD_BYTES = 16 * 2**20
+# Flat step buffers used in turn where steps are not held in a ring: a step handed to ``on_step``
+# stays as it is for two further steps.
+STEP_ROWS = 3
 
 
 class StepRecorder:
@@ -43,16 +46,18 @@ class StepRecorder:
     model, whose custom backward might reuse a gradient's memory). Without holding (``hold_steps``
     False, or a model too large), each step is added as soon as it is complete. Off the host path,
     one concatenation and one fused pass per step (three adds on CUDA). Each element takes the
-    same additions in the same order on every path."""
+    same additions in the same order on every path.
+
+    ``on_step`` (data parallel) is handed each step as one flat tensor (a row of the ring, or one
+    of ``STEP_ROWS`` step buffers used in turn), which stays as it is until ``STEP_ROWS - 1``
+    further steps have been recorded: it may keep the row that long (to send it, or to add it
+    once the other ranks' steps arrive) without a copy."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
-                 reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
+                 on_step: Callable[[Any], None] | None = None, hold_steps: bool = True,
                  hold_refs: bool = False) -> None:
         self.params = params
-        # Data parallel: manual adds the step all-reduced across ranks; E and S stay this rank's.
-        # The all-reduce of a step runs while the next micro-step does: manual adds it then.
-        self.reduce_step = reduce_step
-        self.reducing: Callable[[], Any] | None = None
+        self.on_step = on_step
         first = next(iter(params.values()))
         total = sum(p.numel() for p in params.values())
         step_dtype = first.dtype
@@ -63,11 +68,11 @@ class StepRecorder:
         self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
-        self.ring = self.step = self.lists = None
+        self.ring = self.lists = None
         self.count = 0  # steps held, not yet added
         # (Adding on a second thread beside the next forward was measured slower: torch's threads
         # want both cores.)
-        host = (first.device.type == "cpu" and reduce_step is None
+        host = (first.device.type == "cpu"
                 and self.manual.dtype in (torch.float32, torch.float64)
                 and all(p.dtype == torch.float32 for p in params.values()))
         self.holds = host and hold_steps and HELD_STEPS * 4 * total <= HELD_BYTES
@@ -75,7 +80,7 @@ class StepRecorder:
         if host:
             self.spans = np.cumsum([0] + [p.numel() for p in params.values()], dtype=np.int64)
             self.flat = (self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
-        if self.holds and hold_refs:
+        if self.holds and hold_refs and on_step is None:
             self.lists = [[] for _ in params]  # each parameter's micro-gradients held, in step order
             self.index = {name: index for index, name in enumerate(params)}
             # The list lengths after each step with every parameter's gradient there.
@@ -88,10 +93,9 @@ class StepRecorder:
                          for row in range(HELD_STEPS)]
             self.ring_addresses = (self.ring.data_ptr() + 4 * (self.spans[:-1, None]
                                    + total * np.arange(HELD_STEPS, dtype=np.int64)))
-        elif not host:
-            self.step = torch.empty(total, dtype=step_dtype, device=first.device)
-        # E and S of a float32 step on the CPU: one compiled pass (the same sums as torch's adds).
-        self.wide = first.device.type == "cpu" and step_dtype == torch.float32
+        elif not host or on_step is not None:
+            self.steps = [torch.empty(total, dtype=step_dtype, device=first.device) for _ in range(STEP_ROWS)]
+            self.turn = 0
 
     def hook(self, name: str) -> Callable[[Any], None]:
         """The gradient hook that records ``name``'s micro-gradient: a C-level callable, which
@@ -121,38 +125,29 @@ class StepRecorder:
         if self.ring is not None:
             torch._foreach_copy_(self.rows[self.count], [grads[name] for name in self.params])
             grads.clear()
+            if self.on_step is not None:
+                self.on_step(self.ring[self.count])
             self.count += 1
             if self.count == HELD_STEPS:
                 self._add_held()
             return
-        if self.host:
+        if self.host and self.on_step is None:
             held = [grads[name].contiguous() for name in self.params]  # itself where contiguous already
             add_held(np.array([[g.data_ptr()] for g in held], np.int64), self.spans, *self.flat)
             grads.clear()
             return
-        torch.cat([grads[name].reshape(-1) for name in self.params], out=self.step)
+        step = self.steps[self.turn]
+        self.turn = (self.turn + 1) % STEP_ROWS
+        torch.cat([grads[name].reshape(-1) for name in self.params], out=step)
         grads.clear()
-        if self.reduce_step is not None:
-            reducing = self.reduce_step(self.step)
-            self._add_reduced()
-            self.reducing = reducing
-            if self.wide:
-                add_wide(self.step.numpy(), self.exact.numpy(), self.absum.numpy())
-            else:
-                self.exact.add_(self.step)
-                self.absum.add_(self.step.abs())
-        elif self.step.device.type == "cpu" and self.step.dtype in (torch.float32, torch.float64):
-            add_step(self.step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        if self.on_step is not None:
+            self.on_step(step)
+        if step.device.type == "cpu" and step.dtype in (torch.float32, torch.float64) and self.host:
+            add_step(step.numpy(), self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
         else:
-            self.manual.add_(self.step)
-            self.exact.add_(self.step)
-            self.absum.add_(self.step.abs_())
-
-    def _add_reduced(self) -> None:
-        """The previous step's all-reduced gradient into manual, once the all-reduce is done."""
-        if self.reducing is not None:
-            self.manual.add_(self.reducing())
-            self.reducing = None
+            self.manual.add_(step)
+            self.exact.add_(step)
+            self.absum.add_(step.abs())
 
     def _add_held(self) -> None:
         """The steps held, in their order, into manual, E and S: one compiled call."""
@@ -181,7 +176,6 @@ class StepRecorder:
         """Per-parameter (manual, exact, absum) views of the flat buffers, every step added."""
         if self.count:
             self._add_held()
-        self._add_reduced()
         return {name: tuple(buf[span].view(self.params[name].shape) for buf in (self.manual, self.exact, self.absum))
                 for name, span in self._spans()}
 
@@ -200,7 +194,7 @@ def _inject_into(accumulator: GradAccumulator, index: int, injector: FaultInject
 def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_steps: int, fault: Fault | None,
                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
                step_context: Callable[[int], Any] | None = None,
-               reduce_step: Callable[[Any], Any] | None = None, hold_steps: bool = True,
+               on_step: Callable[[Any], None] | None = None, hold_steps: bool = True,
                hold_refs: bool = False,
                backward_error: Callable[[BaseException, int], Exception] | None = None) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
@@ -209,16 +203,15 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     what fills the native slot: "native" (``.grad`` accumulating), "accumulator" or
     "compensated" (GradAccumulator taking each micro-step's ``.grad``).
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
-    (DistributedDataParallel's ``no_sync()``); ``reduce_step`` starts the reduction of a flat
-    micro-gradient (its all-reduced mean) and returns a function that waits for it and returns
-    what the manual buffer adds: the buffer adds it after the next micro-step, in step order.
+    (DistributedDataParallel's ``no_sync()``); ``on_step``, when given, is handed each micro-step's
+    flat gradient (see StepRecorder).
     ``hold_steps`` False: nothing kept beyond one micro-step (a memory budget's groups);
     ``hold_refs``: the micro-gradients are held, not copied (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
     error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
     Returns {"buffers": name -> (manual, exact, absum), "native": name -> accumulated .grad,
     "loss": mean loss, "losses": each micro-step's loss, "steps_with_grad": name -> micro-steps with
     a gradient, for the parameters that missed some}."""
-    recorder = StepRecorder(params, accum_dtype, reduce_step, hold_steps, hold_refs)
+    recorder = StepRecorder(params, accum_dtype, on_step, hold_steps, hold_refs)
     handles = []
     state = {"step": 0}
     injector = None

@@ -266,7 +266,8 @@ def test_the_reference_summed_from_the_ranks_pass_is_one_process_accumulation_bi
     rank 0 adds them in the global order: the very result of one process accumulating all W*N
     natively (a branch some micro-steps leave without a gradient; a loss divided by the window's
     token count), and its mean loss summed in the same order. The float64 oracle, which runs a
-    model of its own, likewise."""
+    model of its own, likewise. Manual is each micro-step's mean over the two ranks (float32, as
+    an all-reduce gives it) added in step order."""
     import numpy as np
     import torch
 
@@ -289,9 +290,22 @@ def test_the_reference_summed_from_the_ranks_pass_is_one_process_accumulation_bi
                 native, loss = _native(CaseSubject(spec, spec.weights(), dtype, torch.device("cpu"), 2 * steps),
                                        None, "one process")
                 references[dtype] = ({name: (g / 2).numpy() for name, g in native.items()}, loss)
+            subject = CaseSubject(spec, spec.weights(), torch.float32, torch.device("cpu"), 2 * steps)
+            loss_of = subject.step_loss(subject.model)
+            micro = []
+            for index in range(2 * steps):
+                grads = torch.autograd.grad(loss_of(index), list(subject.params.values()), allow_unused=True)
+                micro.append([torch.zeros_like(p) if g is None else g
+                              for g, p in zip(grads, subject.params.values())])
     finally:
         torch.set_num_threads(saved)
+    manual = [torch.zeros_like(p) for p in subject.params.values()]
+    for k in range(steps):
+        for total, g0, g1 in zip(manual, micro[2 * k], micro[2 * k + 1]):
+            total.add_((g0 + g1) / 2)
+    manual = dict(zip(subject.params, manual))
     for p in run.params:
+        assert np.array_equal(p.manual, manual[p.name].numpy()), p.name
         assert np.array_equal(p.reference, references[torch.float32][0][p.name]), p.name
         assert np.array_equal(p.oracle, references[torch.float64][0][p.name]), p.name
     assert run.losses["single_process_mean_loss"] == references[torch.float32][1]

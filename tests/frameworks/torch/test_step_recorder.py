@@ -84,3 +84,35 @@ def test_held_micro_gradients_are_the_ones_autograd_handed_out(hold_refs):
     for have, want in zip(got, _expected(micro, "weight", np.dtype("float32"))):
         assert np.array_equal(have, want)
     assert weight.grad is not None and np.array_equal(weight.grad.reshape(-1).numpy(), got[0])
+
+
+@pytest.mark.parametrize("accum", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hold_steps", [True, False])
+def test_a_step_handed_on_stays_as_it_is_for_the_next_steps(hold_steps, accum):
+    """Data parallel: each step is handed on as one flat tensor (a row of the ring, or a step
+    buffer used in turn), which the data-parallel reference keeps without a copy while it sends
+    or adds it: it must hold that step, in parameter order, for as many further steps as the
+    reference keeps in flight; the sums are the same as without a receiver (a bfloat16 manual
+    buffer adds off the compiled host path)."""
+    from accumcheck.torch.dpreference import _IN_FLIGHT
+
+    shapes = {"weight": (37, 11), "bias": (300,)}
+    params = {name: torch.zeros(shape, requires_grad=True) for name, shape in shapes.items()}
+    steps = 2 * HELD_STEPS + 3
+    grads = _micro_gradients(shapes, steps, seed=7)
+    handed: list = []
+    recorder = StepRecorder(params, accum, on_step=handed.append, hold_steps=hold_steps)
+    plain = StepRecorder(params, accum, hold_steps=hold_steps)
+    assert (recorder.ring is not None) == (hold_steps and accum == torch.float32)
+    flat = [torch.cat([step[name].reshape(-1) for name in shapes]) for step in grads]
+    for index, step in enumerate(grads):
+        for rec in (recorder, plain):
+            for name, g in step.items():
+                rec.hook(name)(g)
+            rec.flush()
+        assert len(handed) == index + 1
+        for kept in range(max(0, index - _IN_FLIGHT), index + 1):
+            assert torch.equal(handed[kept], flat[kept]), (index, kept)
+    for name in shapes:
+        for have, want in zip(recorder.buffers()[name], plain.buffers()[name]):
+            assert torch.equal(have, want), name
