@@ -629,7 +629,7 @@ def main() -> int:
     phases["d"], mxb = (0.0, None) if on_gpu else timed_value(lambda: bench_mxnet(steps=8 if q else 32,
                                                                                   reps=3 if q else 7))
     phases["e"], dp = (0.0, None) if on_gpu else timed_value(lambda: bench_data_parallel(steps=8 if q else 32,
-                                                                                         reps=1 if q else 3))
+                                                                                         reps=1 if q else 11))
 
     t = TARGETS
     rows = [

@@ -28,8 +28,8 @@ from .accumulator import GradAccumulator
 # HELD_BYTES: eight separate passes would read and write manual, E and S eight times.
 HELD_STEPS = 8
 HELD_BYTES = 16 * 2**20
-# Flat step buffers used in turn where steps are not held in a ring: a step handed to ``on_step``
-# stays as it is for two further steps.
+# Flat step buffers used in turn where steps are not held in a ring and are handed to ``on_step``:
+# each stays as it is for two further steps (one buffer without ``on_step``).
 STEP_ROWS = 3
 
 
@@ -94,7 +94,8 @@ class StepRecorder:
             self.ring_addresses = (self.ring.data_ptr() + 4 * (self.spans[:-1, None]
                                    + total * np.arange(HELD_STEPS, dtype=np.int64)))
         elif not host or on_step is not None:
-            self.steps = [torch.empty(total, dtype=step_dtype, device=first.device) for _ in range(STEP_ROWS)]
+            self.steps = [torch.empty(total, dtype=step_dtype, device=first.device)
+                          for _ in range(STEP_ROWS if on_step is not None else 1)]
             self.turn = 0
 
     def hook(self, name: str) -> Callable[[Any], None]:
@@ -137,7 +138,7 @@ class StepRecorder:
             grads.clear()
             return
         step = self.steps[self.turn]
-        self.turn = (self.turn + 1) % STEP_ROWS
+        self.turn = (self.turn + 1) % len(self.steps)
         torch.cat([grads[name].reshape(-1) for name in self.params], out=step)
         grads.clear()
         if self.on_step is not None:
@@ -147,7 +148,8 @@ class StepRecorder:
         else:
             self.manual.add_(step)
             self.exact.add_(step)
-            self.absum.add_(step.abs())
+            # In place where the step is this recorder's alone; a step handed on stays as it is.
+            self.absum.add_(step.abs() if self.on_step is not None else step.abs_())
 
     def _add_held(self) -> None:
         """The steps held, in their order, into manual, E and S: one compiled call."""
