@@ -100,3 +100,38 @@ def add_squares(grad, total, first=False):
         total[i] = w if first else total[i] + w
         s0 += w * w
     return (s0 + s1) + (s2 + s3)
+
+
+@njit()
+def add_ranks(own, addresses, total, mean, manual, world_size):
+    """Rank 0's sums of one micro-step of W ranks: ``total`` += each rank's micro-gradient in rank
+    order (float32, rounded after each addition, as ``.grad`` accumulates in one process) and
+    ``manual`` += their mean (their float32 sum in rank order, divided by W, as an all-reduce of
+    them gives). ``own`` is rank 0's flat float32 step and ``addresses[r - 1]`` the address of rank
+    r's, of the same length, alive for the call; ``mean`` a float32 scratch array of that length
+    (unused for two ranks, whose sums take one pass)."""
+    n = own.size
+    w = np.float32(world_size)
+    last = addresses.size - 1
+    for r in range(addresses.size):
+        other = numba.carray(_float32_at(addresses[r]), n)
+        if r == 0 and r == last:
+            for i in range(n):
+                g0, g1 = own[i], other[i]
+                total[i] = total[i] + g0 + g1
+                manual[i] += (g0 + g1) / w
+        elif r == 0:
+            for i in range(n):
+                g0, g1 = own[i], other[i]
+                total[i] = total[i] + g0 + g1
+                mean[i] = g0 + g1
+        elif r == last:
+            for i in range(n):
+                g = other[i]
+                total[i] += g
+                manual[i] += (mean[i] + g) / w
+        else:
+            for i in range(n):
+                g = other[i]
+                total[i] += g
+                mean[i] += g

@@ -299,14 +299,15 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
         reference = StreamedReference(width, world_size, rank, torch.float32, accum, dev)
         # (The recorder's manual buffer holds this rank's own sum, which nothing reads.)
         sums = accumulate(model.canonical, step_loss, steps, fault, progress, f"rank {rank}: DDP no_sync + all-reduce",
-                          accum, step_context=no_sync_but_last, on_step=reference.add)
+                          accum, step_context=no_sync_but_last, on_step=reference.add, step_rows=reference.rows,
+                          sums=reference.sums)
         summed, manual_flat = reference.finish()
-        buffers = sums["buffers"]
         # Spawned here, only rank 0's result is read: the others hand it their arrays and return.
         everyone = launcher != "torch.multiprocessing"
         summary = {"rank": rank, "host": socket.gethostname(), "loss": sums["loss"], "losses": sums["losses"],
                    "handed": [name in handed for name in model.canonical]}
-        views = _gather_views(model.canonical, summary, handed, buffers, sums["native"], rank, world_size, everyone)
+        views = _gather_views(model.canonical, summary, handed, sums["flat"][1:], sums["native"], rank, world_size,
+                              everyone, reference.peer_sums if reference.shared else None)
         oracle = oracle_reference(case, weights, steps, world_size, rank, dev, progress) if config.oracle else None
         single = manual = None
         if rank == 0:
@@ -358,60 +359,62 @@ def _rank_run(job: dict[str, Any], rank: int, world_size: int, launcher: str,
 
 
 def _gather_views(params: dict[str, Any], summary: dict[str, Any], handed: dict[str, Any],
-                  buffers: dict[str, tuple[Any, Any, Any]], native: dict[str, Any], rank: int, world_size: int,
-                  everyone: bool) -> list[dict[str, Any]] | None:
+                  sums: tuple[Any, Any], native: dict[str, Any], rank: int, world_size: int,
+                  everyone: bool, peer_sums: list | None = None) -> list[dict[str, Any]] | None:
     """Every rank's view on rank 0 (on every rank when ``everyone``), in rank order, None on a
     rank that gets none: its ``summary`` (rank, host, losses, which parameters DDP handed to the
     all-reduce) and, by parameter name, ``local_native`` (what DDP handed), ``exact`` and ``absum``
-    (its E and S) and ``native`` (its gradient after the all-reduce). The arrays travel as two flat
-    tensors per rank, point to point (pickled objects took much longer on gloo)."""
+    (its E and S, ``sums``: flat, parameters in order) and ``native`` (its gradient after the
+    all-reduce). The arrays travel as three flat tensors per rank, point to point (pickled objects
+    took much longer on gloo): E and S as they are, the rest joined into one; rank 0 reads the E
+    and S of the other ranks where they share them with it (``peer_sums``: on rank 0 theirs, rank 1
+    onwards, and an empty list on the others; None where they are sent)."""
     summaries: list[Any] = [None] * world_size
     dist.all_gather_object(summaries, summary)
-    narrow, wide = _flat_view(params, handed, buffers, native)
+    narrow = _flat_native(params, handed, native)
     flats: list[Any] = [None] * world_size
-    flats[rank] = (narrow, wide)
+    flats[rank] = (narrow, *sums)
     ops = []
     for peer in range(world_size):
         if peer == rank:
             continue
+        # All three to every other rank under ``everyone``; else to rank 0, E and S only if unshared.
+        count = 1 if peer_sums is not None and not everyone else 3
         if everyone or peer == 0:
-            ops += [dist.P2POp(dist.isend, narrow, peer), dist.P2POp(dist.isend, wide, peer)]
+            ops += [dist.P2POp(dist.isend, tensor, peer) for tensor in flats[rank][:count]]
         if everyone or rank == 0:
-            flats[peer] = (torch.empty_like(narrow), torch.empty_like(wide))
-            ops += [dist.P2POp(dist.irecv, flats[peer][0], peer), dist.P2POp(dist.irecv, flats[peer][1], peer)]
+            received = tuple(map(torch.empty_like, flats[rank][:count]))
+            flats[peer] = received + (tuple(peer_sums[peer - 1]) if count == 1 else ())
+            ops += [dist.P2POp(dist.irecv, tensor, peer) for tensor in received]
     if ops:  # batched: NCCL would deadlock on two ranks that each send before they receive
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     if not (everyone or rank == 0):
         return None
     views = []
-    for summary_of, (narrow_of, wide_of) in zip(summaries, flats):
-        narrow_of, wide_of = narrow_of.cpu().numpy(), wide_of.cpu().numpy()
+    for summary_of, arrays in zip(summaries, flats):
+        narrow_of, exact_of, absum_of = (tensor.cpu().numpy() for tensor in arrays)
         local_native, native_of, exact, absum = {}, {}, {}, {}
-        at, width = 0, narrow_of.size // 2
+        at, width = 0, exact_of.size
         for name, p, got in zip(params, params.values(), summary_of.pop("handed")):
             span = slice(at, at + p.numel())
             if got:
                 local_native[name] = narrow_of[span].reshape(p.shape)
             native_of[name] = narrow_of[width:][span].reshape(p.shape)
-            exact[name] = wide_of[span].reshape(p.shape)
-            absum[name] = wide_of[width:][span].reshape(p.shape)
+            exact[name] = exact_of[span].reshape(p.shape)
+            absum[name] = absum_of[span].reshape(p.shape)
             at += p.numel()
         views.append({**summary_of, "local_native": local_native, "native": native_of, "exact": exact,
                       "absum": absum})
     return views
 
 
-def _flat_view(params: dict[str, Any], handed: dict[str, Any], buffers: dict[str, tuple[Any, Any, Any]],
-               native: dict[str, Any]) -> tuple[Any, Any]:
-    """This rank's arrays, parameters in order: float32 (what DDP handed, zeros where it handed
-    nothing, then the gradient after the all-reduce) and float64 (E, then S)."""
-    narrow = torch.cat([(handed[name] if name in handed else torch.zeros_like(p)).reshape(-1).float()
-                        for name, p in params.items()]
-                       + [native[name].reshape(-1).float() for name in params])
-    wide = torch.cat([buffers[name][1].reshape(-1) for name in params]
-                     + [buffers[name][2].reshape(-1) for name in params])
-    return narrow, wide
+def _flat_native(params: dict[str, Any], handed: dict[str, Any], native: dict[str, Any]) -> Any:
+    """This rank's float32 arrays, parameters in order: what DDP handed (zeros where it handed
+    nothing), then the gradient after the all-reduce."""
+    return torch.cat([(handed[name] if name in handed else torch.zeros_like(p)).reshape(-1).float()
+                      for name, p in params.items()]
+                     + [native[name].reshape(-1).float() for name in params])
 
 
 def _record_comm_hook(ddp: Any, params: dict[str, Any], reduce_dtype: str) -> dict[str, Any]:

@@ -6,19 +6,26 @@ micro-gradients do not depend on which process computes them (the same model, we
 and threads), only its additions do, and those are in order. So the micro-gradients are the ones
 the ranks' own pass computes anyway (rank r: global micro-batches k*W + r; the hooks see each
 before any fault or all-reduce touches it): after each micro-step every rank hands its flat
-micro-gradient to rank 0, which adds them in the global order (``StreamedReference``): the same
+micro-gradient to rank 0 (in shared memory where it can), which adds them in the global order
+(``StreamedReference``): the same
 float additions, in the same order, as one process's ``.grad`` (a parameter that received no
 gradient in a micro-step adds zeros, which leave it as it was), so the same reference bit for bit,
 with no pass of its own. From the same micro-gradients rank 0 sums manual: each micro-step's
-mean over the ranks, as an all-reduce of it gives, added in step order. The losses are summed in the same order from each rank's list.
+mean over the ranks, as an all-reduce of it gives, added in step order. The losses are summed in
+the same order from each rank's list.
 
 The float64 oracle runs a float64 model of its own: each rank computes the micro-gradients of its
-own micro-batches in it and hands them to rank 0 the same way (``oracle_reference``), in the time
+own micro-batches in it and sends them to rank 0 (``oracle_reference``), in the time
 of N micro-steps instead of W*N on one rank while the others wait.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import platform
+import socket
+import time
 from collections import deque
 from typing import Any
 
@@ -27,13 +34,17 @@ import torch
 import torch.distributed as dist
 
 from ..case.definition import Case
+from ..judge.hostsums import add_ranks
 from ..run.backend import Progress
 from .builtin import CaseSubject
 from .casemodel import to_numpy
+from .passes import ROWS, STEP_ROWS
 
 # Micro-gradients a rank has handed to rank 0 and may still be sending: two, so that computing
 # the next one overlaps with the send.
 _IN_FLIGHT = 2
+# The shared rows' file starts with a page that holds the token rank 0 checks it by.
+_HEADER = mmap.PAGESIZE
 
 
 class StreamedReference:
@@ -44,58 +55,188 @@ class StreamedReference:
     Manual is what hand-written accumulation under DDP adds at each micro-step: the step's mean
     over ranks (float32, summed in rank order and divided by W, as an all-reduce of it), added into
     a buffer of ``accum_dtype``. Rank 0 adds step k once step k + 1 is handed to it, so that the
-    other ranks' step k arrives while it computes: the steps it is handed must stay as they are
-    for two further steps (``passes.StepRecorder``'s rows do), and a rank other than 0 sends its
-    step itself, up to _IN_FLIGHT at a time, without a copy."""
+    other ranks' step k is there while it computes: the steps it is handed must stay as they are
+    for two further steps (``passes.StepRecorder``'s rows do).
 
-    def __init__(self, width: int, world_size: int, rank: int, dtype: Any, accum_dtype: Any, dev: Any) -> None:
+    How the other ranks' steps reach rank 0 (``shared`` tells which): where every rank runs on
+    this machine's x86-64 CPU, each other rank's recorder writes its steps into ``rows``, memory
+    rank 0 maps too (a memfd, which rank 0 opens through /proc). The rank then writes, in the
+    page before its rows, which row holds its step k and that k steps are there; rank 0 adds from
+    that row and writes there that it is done with it; the rank writes no step into a row rank 0
+    may still read; its E and S are kept there too, for rank 0 to read once the pass is over
+    (``sums``, ``peer_sums``). (x86-64 keeps one core's stores in order for the others, which that
+    relies on.) Otherwise (GPUs, other hosts, other CPUs, no memfds) a rank sends each step to rank 0
+    over the process group, up to _IN_FLIGHT at a time, without a copy (and so with ``share``
+    False). Either way the same additions in the same order."""
+
+    def __init__(self, width: int, world_size: int, rank: int, dtype: Any, accum_dtype: Any, dev: Any,
+                 share: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
         self.sending: deque = deque()
         self.pending: tuple | None = None  # rank 0: (its step, the receives, their buffers) not yet added
-        self.total = self.manual = self.mean = None
+        self.total = self.manual = None
         self.others: list = []
+        self.rows = None  # a rank other than 0 sharing its steps: the recorder's rows
+        self.sums = None  # such a rank: the recorder's E and S, which rank 0 reads from there
+        self.peer_sums: list = []  # rank 0: every other rank's E and S, mapped
+        self.pages: list = []  # the counters: this rank's (sharing), every other rank's (rank 0)
+        self.peer_rows: list = []  # rank 0: every other rank's rows, mapped
+        host_sums = dev.type == "cpu" and dtype == torch.float32 and accum_dtype in (torch.float32, torch.float64)
+        self.shared = (share and host_sums and platform.machine().lower() in ("x86_64", "amd64")
+                       and self._share(width, dtype))
         if rank == 0:
             self.total = torch.zeros(width, dtype=dtype, device=dev)
             self.manual = torch.zeros(width, dtype=accum_dtype, device=dev)
-            self.mean = torch.empty(width, dtype=dtype, device=dev)
-            # Step k + 1 arrives while step k is added: two sets of buffers, used in turn.
-            self.others = [[torch.empty(width, dtype=dtype, device=dev) for _ in range(1, world_size)]
-                           for _ in range(_IN_FLIGHT)]
+            # The ranks' mean, but for two (whose sums take one pass)
+            self.mean = torch.empty(width if world_size > 2 or not self.shared else 0, dtype=dtype, device=dev)
+            if not self.shared:  # step k + 1 arrives while step k is added: two sets of buffers, in turn
+                self.others = [[torch.empty(width, dtype=dtype, device=dev) for _ in range(1, world_size)]
+                               for _ in range(_IN_FLIGHT)]
         self.steps = 0
 
+    def _share(self, width: int, dtype: Any) -> bool:
+        """Map every other rank's rows on rank 0 (True on every rank), or leave it (False)."""
+        size = _HEADER + ROWS * width * dtype.itemsize + 2 * width * 8
+        offer = mapping = None
+        if self.rank:
+            try:
+                fd = os.memfd_create(f"accumcheck-rank-{self.rank}-steps", os.MFD_CLOEXEC)
+                os.ftruncate(fd, size)
+                mapping = mmap.mmap(fd, size)
+                token = os.urandom(16)
+                mapping[_TOKEN * 8:_TOKEN * 8 + 16] = token
+                offer = (socket.gethostname(), os.getpid(), fd, token)
+            except (AttributeError, OSError):  # no memfd here, or no memory for it
+                offer = None
+        offers: list = [None] * self.world_size
+        dist.all_gather_object(offers, offer)
+        mapped: list | None = []
+        if self.rank == 0:
+            host = socket.gethostname()
+            try:
+                for peer in offers[1:]:
+                    if peer is None or peer[0] != host:
+                        raise OSError("not on this machine")
+                    with open(f"/proc/{peer[1]}/fd/{peer[2]}", "r+b") as handle:
+                        peer_mapping = mmap.mmap(handle.fileno(), size)
+                    if peer_mapping[_TOKEN * 8:_TOKEN * 8 + 16] != peer[3]:  # another process's file
+                        raise OSError("not the rank's rows")
+                    mapped.append(peer_mapping)
+            except OSError:
+                mapped = None
+        shared = [mapped is not None]
+        dist.broadcast_object_list(shared, src=0)
+        if offer is not None:
+            os.close(offer[2])  # rank 0 has opened it, or will not: the mapping stays
+        if not shared[0]:
+            return False
+        if self.rank:
+            self.rows, self.pages = _rows_of(mapping, width, dtype), [_page_of(mapping)]
+            self.sums = _sums_of(mapping, width, dtype)
+        else:
+            self.peer_rows = [_rows_of(m, width, dtype).numpy() for m in mapped]
+            self.peer_sums = [_sums_of(m, width, dtype) for m in mapped]
+            self.pages = [_page_of(m) for m in mapped]
+            self.addresses = np.zeros(len(mapped), np.int64)
+        return True
+
     def add(self, step: Any) -> None:
+        k = self.steps
+        self.steps += 1
+        if self.rank and self.shared:
+            row = (step.data_ptr() - self.rows.data_ptr()) // (self.rows.shape[1] * self.rows.element_size())
+            if not (0 <= row < ROWS and step.data_ptr() == self.rows[row].data_ptr()):
+                raise RuntimeError("a step handed on outside the shared rows")
+            page = self.pages[0]
+            page[_ROW_OF + k % _ROW_SLOTS] = row
+            page[_HANDED] = k + 1  # stored after the row and its number
+            # The next step goes into the row of the step STEP_ROWS - 1 before this one at the
+            # earliest: rank 0 is done with that one first.
+            _wait_for(page, _DONE, k + 2 - STEP_ROWS, "rank 0 to add a step")
+            return
         if self.rank:
             if len(self.sending) == _IN_FLIGHT:
                 self.sending.popleft().wait()
             self.sending.append(dist.isend(step, dst=0))
             return
-        others = self.others[self.steps % _IN_FLIGHT]
-        self.steps += 1
-        works = [dist.irecv(buffer, src=r) for r, buffer in enumerate(others, start=1)]
+        works = others = None
+        if not self.shared:
+            others = self.others[k % _IN_FLIGHT]
+            works = [dist.irecv(buffer, src=r) for r, buffer in enumerate(others, start=1)]
         self._add_pending()
-        self.pending = (step, works, others)
+        self.pending = (k, step, works, others)
 
     def _add_pending(self) -> None:
         if self.pending is None:
             return
-        step, works, others = self.pending
+        k, step, works, others = self.pending
         self.pending = None
-        self.total.add_(step)  # global micro-batch k*W, then k*W + 1, ...
-        self.mean.copy_(step)
-        for work, buffer in zip(works, others):
-            work.wait()
-            self.total.add_(buffer)
-            self.mean.add_(buffer)
-        self.manual.add_(self.mean.div_(self.world_size))
+        if not self.shared:
+            self.total.add_(step)  # global micro-batch k*W, then k*W + 1, ...
+            self.mean.copy_(step)
+            for work, buffer in zip(works, others):
+                work.wait()
+                self.total.add_(buffer)
+                self.mean.add_(buffer)
+            self.manual.add_(self.mean.div_(self.world_size))
+            return
+        for r, page in enumerate(self.pages):
+            _wait_for(page, _HANDED, k + 1, f"rank {r + 1}'s micro-step {k}")
+            self.addresses[r] = self.peer_rows[r][page[_ROW_OF + k % _ROW_SLOTS]].ctypes.data
+        add_ranks(step.numpy(), self.addresses, self.total.numpy(), self.mean.numpy(), self.manual.numpy(),
+                  self.world_size)
+        for page in self.pages:
+            page[_DONE] = k + 1  # the rank may write into the row again
 
     def finish(self) -> tuple[Any, Any]:
-        """(the reference's sum, manual) on rank 0, (None, None) on the others, every send done."""
+        """(the reference's sum, manual) on rank 0, (None, None) on the others, every step added
+        and every send done."""
         self._add_pending()
         for work in self.sending:
             work.wait()
         self.sending.clear()
         return self.total, self.manual
+
+
+# The page before a sharing rank's rows, as int64s: its token, the steps it has handed on, the steps
+# rank 0 is done with, and the row of step k at _ROW_OF + k % _ROW_SLOTS (a rank runs at most
+# STEP_ROWS - 1 steps ahead of rank 0's adding).
+_TOKEN, _HANDED, _DONE, _ROW_OF, _ROW_SLOTS = 0, 2, 3, 4, 16
+# Waiting for the other side: a few checks at once, then sleeps (a rank that is gone never
+# writes, and one slower than this by a micro-step is waited for without spinning a core).
+_SPINS, _SLEEP_S, _GIVE_UP_S = 64, 50e-6, 30 * 60.0
+
+
+def _rows_of(mapping: mmap.mmap, width: int, dtype: Any) -> Any:
+    """The (ROWS, width) tensor in ``mapping`` after its header (which keeps it mapped)."""
+    return torch.frombuffer(mapping, dtype=dtype, count=ROWS * width, offset=_HEADER).view(ROWS, width)
+
+
+def _sums_of(mapping: mmap.mmap, width: int, dtype: Any) -> tuple[Any, Any]:
+    """The two float64 arrays of ``width`` (E, S) in ``mapping`` after the rows."""
+    at = _HEADER + ROWS * width * dtype.itemsize
+    return tuple(torch.frombuffer(mapping, dtype=torch.float64, count=width, offset=at + 8 * width * j)
+                 for j in range(2))
+
+
+def _page_of(mapping: mmap.mmap) -> np.ndarray:
+    return np.frombuffer(mapping, dtype=np.int64, count=_ROW_OF + _ROW_SLOTS)
+
+
+def _wait_for(page: np.ndarray, index: int, value: int, what: str) -> None:
+    """Until ``page[index]`` reaches ``value``."""
+    spins = 0
+    deadline = None
+    while page[index] < value:
+        spins += 1
+        if spins < _SPINS:
+            continue
+        if deadline is None:
+            deadline = time.monotonic() + _GIVE_UP_S
+        elif time.monotonic() > deadline:
+            raise RuntimeError(f"waited {_GIVE_UP_S:.0f} s for {what}")
+        time.sleep(_SLEEP_S)
 
 
 def in_global_order(losses: list[list[float]]) -> float:

@@ -31,6 +31,8 @@ HELD_BYTES = 16 * 2**20
 # Flat step buffers used in turn where steps are not held in a ring and are handed to ``on_step``:
 # each stays as it is for two further steps (one buffer without ``on_step``).
 STEP_ROWS = 3
+# Rows enough for either way of handing steps on.
+ROWS = max(HELD_STEPS, STEP_ROWS)
 
 
 class StepRecorder:
@@ -51,11 +53,14 @@ class StepRecorder:
     ``on_step`` (data parallel) is handed each step as one flat tensor (a row of the ring, or one
     of ``STEP_ROWS`` step buffers used in turn), which stays as it is until ``STEP_ROWS - 1``
     further steps have been recorded: it may keep the row that long (to send it, or to add it
-    once the other ranks' steps arrive) without a copy."""
+    once the other ranks' steps arrive) without a copy. ``rows``, when given with ``on_step``,
+    is a (``ROWS``, total) tensor the steps handed on are written into (memory another process
+    reads: the rows of a rank other than 0, which rank 0 adds from where they are); ``sums``, when
+    given, the two flat float64 tensors E and S are summed in."""
 
     def __init__(self, params: dict[str, Any], accum_dtype: Any = None,
                  on_step: Callable[[Any], None] | None = None, hold_steps: bool = True,
-                 hold_refs: bool = False) -> None:
+                 hold_refs: bool = False, rows: Any = None, sums: tuple[Any, Any] | None = None) -> None:
         self.params = params
         self.on_step = on_step
         first = next(iter(params.values()))
@@ -64,8 +69,11 @@ class StepRecorder:
         for p in params.values():  # a model of mixed dtypes: a step buffer that holds each exactly
             step_dtype = torch.promote_types(step_dtype, p.dtype)
         self.manual = torch.zeros(total, dtype=accum_dtype or first.dtype, device=first.device)
-        self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
-        self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
+        if sums is None:
+            self.exact = torch.zeros(total, dtype=torch.float64, device=first.device)
+            self.absum = torch.zeros(total, dtype=torch.float64, device=first.device)
+        else:  # memory another process reads them from
+            self.exact, self.absum = (buffer.zero_() for buffer in sums)
         self.grads: dict[str, Any] = {}
         self.missing: dict[str, int] = {}  # micro-steps in which a parameter received no gradient
         self.ring = self.lists = None
@@ -80,13 +88,16 @@ class StepRecorder:
         if host:
             self.spans = np.cumsum([0] + [p.numel() for p in params.values()], dtype=np.int64)
             self.flat = (self.manual.numpy(), self.exact.numpy(), self.absum.numpy())
+        if rows is not None and (on_step is None or tuple(rows.shape) != (ROWS, total)
+                                 or rows.dtype != (torch.float32 if self.holds else step_dtype)):
+            raise ValueError(f"rows: a ({ROWS}, {total}) tensor of the step's dtype, handed on to on_step")
         if self.holds and hold_refs and on_step is None:
             self.lists = [[] for _ in params]  # each parameter's micro-gradients held, in step order
             self.index = {name: index for index, name in enumerate(params)}
             # The list lengths after each step with every parameter's gradient there.
             self.full = [[count] * len(params) for count in range(HELD_STEPS + 1)]
         elif self.holds:
-            self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32)
+            self.ring = torch.empty((HELD_STEPS, total), dtype=torch.float32) if rows is None else rows[:HELD_STEPS]
             # Each row as one view per parameter: one foreach copy fills a row (measured faster
             # than torch.cat into it, which copies input by input).
             self.rows = [[self.ring[row, span].view(params[name].shape) for name, span in self._spans()]
@@ -94,8 +105,9 @@ class StepRecorder:
             self.ring_addresses = (self.ring.data_ptr() + 4 * (self.spans[:-1, None]
                                    + total * np.arange(HELD_STEPS, dtype=np.int64)))
         elif not host or on_step is not None:
-            self.steps = [torch.empty(total, dtype=step_dtype, device=first.device)
-                          for _ in range(STEP_ROWS if on_step is not None else 1)]
+            self.steps = ([torch.empty(total, dtype=step_dtype, device=first.device)
+                           for _ in range(STEP_ROWS if on_step is not None else 1)]
+                          if rows is None else list(rows[:STEP_ROWS]))
             self.turn = 0
 
     def hook(self, name: str) -> Callable[[Any], None]:
@@ -197,7 +209,7 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
                progress: Progress | None, phase: str, accum_dtype: Any = None, mode: str = "native",
                step_context: Callable[[int], Any] | None = None,
                on_step: Callable[[Any], None] | None = None, hold_steps: bool = True,
-               hold_refs: bool = False,
+               hold_refs: bool = False, step_rows: Any = None, sums: tuple[Any, Any] | None = None,
                backward_error: Callable[[BaseException, int], Exception] | None = None) -> dict[str, Any]:
     """Run ``step_loss(step).backward()`` for each micro-step, letting ``.grad`` accumulate
     natively while the hooks feed manual (in ``accum_dtype``, default the parameters'), E and S.
@@ -206,14 +218,16 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
     "compensated" (GradAccumulator taking each micro-step's ``.grad``).
     ``step_context(step)``, when given, is entered around each micro-step's forward and backward
     (DistributedDataParallel's ``no_sync()``); ``on_step``, when given, is handed each micro-step's
-    flat gradient (see StepRecorder).
+    flat gradient (see StepRecorder), written into ``step_rows`` where given; E and S are summed
+    into ``sums`` where given.
     ``hold_steps`` False: nothing kept beyond one micro-step (a memory budget's groups);
     ``hold_refs``: the micro-gradients are held, not copied (a built-in model; see StepRecorder). ``backward_error(exc, step)``, when given, is the
     error raised (from ``exc``) for what a backward pass raised: the user's hooks ran in it.
-    Returns {"buffers": name -> (manual, exact, absum), "native": name -> accumulated .grad,
+    Returns {"buffers": name -> (manual, exact, absum), "flat": the same three as flat tensors,
+    parameters in order, "native": name -> accumulated .grad,
     "loss": mean loss, "losses": each micro-step's loss, "steps_with_grad": name -> micro-steps with
     a gradient, for the parameters that missed some}."""
-    recorder = StepRecorder(params, accum_dtype, on_step, hold_steps, hold_refs)
+    recorder = StepRecorder(params, accum_dtype, on_step, hold_steps, hold_refs, step_rows, sums)
     handles = []
     state = {"step": 0}
     injector = None
@@ -281,6 +295,8 @@ def accumulate(params: dict[str, Any], step_loss: Callable[[int], Any], accum_st
         native = dict(zip(params, accumulator.totals()))
     else:
         native = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params.items()}
-    return {"buffers": recorder.buffers(), "native": native, "loss": float(loss_sum) / accum_steps,
+    buffers = recorder.buffers()
+    return {"buffers": buffers, "flat": (recorder.manual, recorder.exact, recorder.absum), "native": native,
+            "loss": float(loss_sum) / accum_steps,
             "losses": [] if losses is None else losses.tolist(),
             "steps_with_grad": {name: accum_steps - missed for name, missed in recorder.missing.items()}}

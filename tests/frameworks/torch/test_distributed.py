@@ -309,3 +309,37 @@ def test_the_reference_summed_from_the_ranks_pass_is_one_process_accumulation_bi
         assert np.array_equal(p.reference, references[torch.float32][0][p.name]), p.name
         assert np.array_equal(p.oracle, references[torch.float64][0][p.name]), p.name
     assert run.losses["single_process_mean_loss"] == references[torch.float32][1]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_zero_sums_the_ranks_steps_alike_shared_or_sent(world_size, tmp_path):
+    """Rank 0's sums from the ranks' micro-steps, read from shared memory or sent over gloo: the
+    single-process reference is every step added in the global order (rank 0, 1, ... of step 0,
+    then of step 1, ...), each rounded to float32; manual adds each step's float32 mean over the
+    ranks into its buffer. Bit for bit, on two ranks and on three (a rank between the first and
+    the last)."""
+    import platform
+
+    import numpy as np
+    import torch.multiprocessing as mp
+    from streamed_worker import STEPS, micro_gradient, run
+
+    mp.start_processes(run, args=(world_size, str(tmp_path)), nprocs=world_size, start_method="spawn")
+    total = np.zeros_like(micro_gradient(0, 0))
+    manual = {"float32": np.zeros(total.size, np.float32), "float64": np.zeros(total.size)}
+    for step in range(STEPS):
+        mean = np.zeros_like(total)
+        for rank in range(world_size):
+            g = micro_gradient(step, rank)
+            total = total + g
+            mean = mean + g
+        mean = mean / np.float32(world_size)
+        for dtype, buffer in manual.items():
+            manual[dtype] = buffer + mean.astype(dtype)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    for way in ("shared", "sent"):
+        for dtype in manual:
+            name = f"{way}-{dtype}"
+            assert json.loads((tmp_path / f"{name}.json").read_text())["shared"] == (way == "shared" and x86)
+            assert np.array_equal(np.load(tmp_path / f"{name}-total.npy"), total), name
+            assert np.array_equal(np.load(tmp_path / f"{name}-manual.npy"), manual[dtype]), name
