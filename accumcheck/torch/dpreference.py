@@ -21,6 +21,7 @@ of N micro-steps instead of W*N on one rank while the others wait.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import platform
@@ -98,38 +99,41 @@ class StreamedReference:
     def _share(self, width: int, dtype: Any) -> bool:
         """Map every other rank's rows on rank 0 (True on every rank), or leave it (False)."""
         size = _HEADER + ROWS * width * dtype.itemsize + 2 * width * 8
-        offer = mapping = None
+        # What rank 0 needs to map a rank's rows: (its process, the memfd's number there, the token
+        # its file starts with, this machine), as int64s; a process 0 where there is none.
+        offer = torch.zeros(5, dtype=torch.int64)
+        mapping = None
         if self.rank:
             try:
                 fd = os.memfd_create(f"accumcheck-rank-{self.rank}-steps", os.MFD_CLOEXEC)
                 os.ftruncate(fd, size)
                 mapping = mmap.mmap(fd, size)
-                token = os.urandom(16)
-                mapping[_TOKEN * 8:_TOKEN * 8 + 16] = token
-                offer = (socket.gethostname(), os.getpid(), fd, token)
+                token = np.frombuffer(os.urandom(16), np.int64)
+                _page_of(mapping)[_TOKEN:_TOKEN + 2] = token
+                offer[:] = torch.tensor([os.getpid(), fd, *token.tolist(), _machine()])
             except (AttributeError, OSError):  # no memfd here, or no memory for it
-                offer = None
-        offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, offer)
+                mapping = None
+        offers = [torch.empty_like(offer) for _ in range(self.world_size)]
+        dist.all_gather(offers, offer)  # tensors, not pickled objects: one collective
         mapped: list | None = []
         if self.rank == 0:
-            host = socket.gethostname()
             try:
                 for peer in offers[1:]:
-                    if peer is None or peer[0] != host:
+                    pid, fd, token_a, token_b, machine = peer.tolist()
+                    if pid == 0 or machine != _machine():
                         raise OSError("not on this machine")
-                    with open(f"/proc/{peer[1]}/fd/{peer[2]}", "r+b") as handle:
+                    with open(f"/proc/{pid}/fd/{fd}", "r+b") as handle:
                         peer_mapping = mmap.mmap(handle.fileno(), size)
-                    if peer_mapping[_TOKEN * 8:_TOKEN * 8 + 16] != peer[3]:  # another process's file
-                        raise OSError("not the rank's rows")
+                    if _page_of(peer_mapping)[_TOKEN:_TOKEN + 2].tolist() != [token_a, token_b]:
+                        raise OSError("another process's file, not the rank's rows")
                     mapped.append(peer_mapping)
             except OSError:
                 mapped = None
-        shared = [mapped is not None]
-        dist.broadcast_object_list(shared, src=0)
-        if offer is not None:
-            os.close(offer[2])  # rank 0 has opened it, or will not: the mapping stays
-        if not shared[0]:
+        shared = torch.tensor([mapped is not None], dtype=torch.int64)
+        dist.broadcast(shared, src=0)
+        if mapping is not None:
+            os.close(int(offer[1]))  # rank 0 has opened it, or will not: the mapping stays
+        if not shared.item():
             return False
         if self.rank:
             self.rows, self.pages = _rows_of(mapping, width, dtype), [_page_of(mapping)]
@@ -218,6 +222,12 @@ def _sums_of(mapping: mmap.mmap, width: int, dtype: Any) -> tuple[Any, Any]:
     at = _HEADER + ROWS * width * dtype.itemsize
     return tuple(torch.frombuffer(mapping, dtype=torch.float64, count=width, offset=at + 8 * width * j)
                  for j in range(2))
+
+
+def _machine() -> int:
+    """This machine's host name as an int64."""
+    return int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest(), "little",
+                          signed=True)
 
 
 def _page_of(mapping: mmap.mmap) -> np.ndarray:
