@@ -86,22 +86,33 @@ def test_held_micro_gradients_are_the_ones_autograd_handed_out(hold_refs):
     assert weight.grad is not None and np.array_equal(weight.grad.reshape(-1).numpy(), got[0])
 
 
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("accum", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hold_steps", [True, False])
-def test_a_step_handed_on_stays_as_it_is_for_the_next_steps(hold_steps, accum):
+def test_a_step_handed_on_stays_as_it_is_for_the_next_steps(hold_steps, accum, given):
     """Data parallel: each step is handed on as one flat tensor (a row of the ring, or a step
     buffer used in turn), which the data-parallel reference keeps without a copy while it sends
     or adds it: it must hold that step, in parameter order, for as many further steps as the
     reference keeps in flight; the sums are the same as without a receiver (a bfloat16 manual
-    buffer adds off the compiled host path)."""
+    buffer adds off the compiled host path). Given rows and sums (memory rank 0 reads), the steps
+    handed on are rows of them, and E and S are summed there, from zero whatever they held."""
     from accumcheck.torch.dpreference import _IN_FLIGHT
+    from accumcheck.torch.passes import ROWS, STEP_ROWS
 
     shapes = {"weight": (37, 11), "bias": (300,)}
     params = {name: torch.zeros(shape, requires_grad=True) for name, shape in shapes.items()}
+    total = sum(int(np.prod(shape)) for shape in shapes.values())
     steps = 2 * HELD_STEPS + 3
     grads = _micro_gradients(shapes, steps, seed=7)
     handed: list = []
-    recorder = StepRecorder(params, accum, on_step=handed.append, hold_steps=hold_steps)
+    rows = torch.full((ROWS, total), float("nan")) if given else None
+    sums = (torch.full((total,), 5.0, dtype=torch.float64), torch.full((total,), 7.0, dtype=torch.float64))
+    recorder = StepRecorder(params, accum, on_step=handed.append, hold_steps=hold_steps, rows=rows,
+                            sums=sums if given else None)
+    if given:
+        assert recorder.exact is sums[0] and recorder.absum is sums[1]
+        with pytest.raises(ValueError):
+            StepRecorder(params, accum, on_step=handed.append, rows=torch.empty(STEP_ROWS, total))
     plain = StepRecorder(params, accum, hold_steps=hold_steps)
     assert (recorder.ring is not None) == (hold_steps and accum == torch.float32)
     flat = [torch.cat([step[name].reshape(-1) for name in shapes]) for step in grads]
@@ -111,6 +122,8 @@ def test_a_step_handed_on_stays_as_it_is_for_the_next_steps(hold_steps, accum):
                 rec.hook(name)(g)
             rec.flush()
         assert len(handed) == index + 1
+        if given:
+            assert any(handed[-1].data_ptr() == row.data_ptr() for row in rows)
         for kept in range(max(0, index - _IN_FLIGHT), index + 1):
             assert torch.equal(handed[kept], flat[kept]), (index, kept)
     for name in shapes:
