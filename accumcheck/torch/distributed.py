@@ -374,12 +374,12 @@ def _gather_views(params: dict[str, Any], summary: dict[str, Any], handed: dict[
     narrow = _flat_native(params, handed, native)
     flats: list[Any] = [None] * world_size
     flats[rank] = (narrow, *sums)
+    # All three to every other rank under ``everyone``; else to rank 0, E and S only if unshared.
+    count = 1 if peer_sums is not None and not everyone else 3
     ops = []
     for peer in range(world_size):
         if peer == rank:
             continue
-        # All three to every other rank under ``everyone``; else to rank 0, E and S only if unshared.
-        count = 1 if peer_sums is not None and not everyone else 3
         if everyone or peer == 0:
             ops += [dist.P2POp(dist.isend, tensor, peer) for tensor in flats[rank][:count]]
         if everyone or rank == 0:

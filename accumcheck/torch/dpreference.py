@@ -102,7 +102,7 @@ class StreamedReference:
         # What rank 0 needs to map a rank's rows: (its process, the memfd's number there, the token
         # its file starts with, this machine), as int64s; a process 0 where there is none.
         offer = torch.zeros(5, dtype=torch.int64)
-        mapping = None
+        mapping = fd = None
         if self.rank:
             try:
                 fd = os.memfd_create(f"accumcheck-rank-{self.rank}-steps", os.MFD_CLOEXEC)
@@ -119,20 +119,20 @@ class StreamedReference:
         if self.rank == 0:
             try:
                 for peer in offers[1:]:
-                    pid, fd, token_a, token_b, machine = peer.tolist()
+                    pid, peer_fd, token_a, token_b, machine = peer.tolist()
                     if pid == 0 or machine != _machine():
                         raise OSError("not on this machine")
-                    with open(f"/proc/{pid}/fd/{fd}", "r+b") as handle:
+                    with open(f"/proc/{pid}/fd/{peer_fd}", "r+b") as handle:
                         peer_mapping = mmap.mmap(handle.fileno(), size)
                     if _page_of(peer_mapping)[_TOKEN:_TOKEN + 2].tolist() != [token_a, token_b]:
                         raise OSError("another process's file, not the rank's rows")
                     mapped.append(peer_mapping)
-            except OSError:
+            except (OSError, ValueError):  # unreadable, or another (shorter) file than the rank's
                 mapped = None
         shared = torch.tensor([mapped is not None], dtype=torch.int64)
         dist.broadcast(shared, src=0)
-        if mapping is not None:
-            os.close(int(offer[1]))  # rank 0 has opened it, or will not: the mapping stays
+        if fd is not None:
+            os.close(fd)  # rank 0 has opened it, or will not: the mapping stays
         if not shared.item():
             return False
         if self.rank:
